@@ -1,0 +1,1 @@
+"""The serving side. Kept import-free: the operator imports ``loraplane.server.artifacts`` through it."""

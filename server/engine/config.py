@@ -1,0 +1,78 @@
+"""Engine configuration: one slotted dataclass that validates itself (torch-free)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_DTYPES = ("auto", "bfloat16", "float16", "float32")
+_DEVICES = ("auto", "cuda", "cpu")
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{field}: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str  # path to an HF folder (config.json + safetensors)
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "auto"  # auto: cuda when available
+    block_size: int = 16  # KV tokens per block
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int | None = None  # default: min(config max_position_embeddings, 8192)
+    gpu_memory_utilization: float = 0.85  # fraction of free GPU memory for weights + KV
+    num_kv_blocks: int | None = None  # explicit override (CPU default: from cpu_kv_cache_bytes)
+    cpu_kv_cache_bytes: int = 1 << 30
+    enforce_eager: bool = False  # no CUDA graphs
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path")
+        _require(self.dtype in _DTYPES, "dtype", f"must be one of {_DTYPES}, got {self.dtype!r}")
+        _require(self.device in _DEVICES, "device", f"must be one of {_DEVICES}, got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value > 0, name, f"must be a positive int, got {value!r}")
+        _require(
+            self.block_size & (self.block_size - 1) == 0,
+            "block_size",
+            f"must be a power of two, got {self.block_size}",
+        )
+        if self.max_model_len is not None:
+            _require(
+                _is_int(self.max_model_len) and self.max_model_len > 0,
+                "max_model_len",
+                f"must be a positive int or None, got {self.max_model_len!r}",
+            )
+        _require(
+            isinstance(self.gpu_memory_utilization, int | float) and 0.0 < self.gpu_memory_utilization <= 1.0,
+            "gpu_memory_utilization",
+            f"must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+        if self.num_kv_blocks is not None:
+            _require(
+                _is_int(self.num_kv_blocks) and self.num_kv_blocks > 0,
+                "num_kv_blocks",
+                f"must be a positive int or None, got {self.num_kv_blocks!r}",
+            )
+        _require(
+            _is_int(self.cpu_kv_cache_bytes) and self.cpu_kv_cache_bytes > 0,
+            "cpu_kv_cache_bytes",
+            f"must be a positive int, got {self.cpu_kv_cache_bytes!r}",
+        )
+        _require(isinstance(self.enforce_eager, bool), "enforce_eager", "must be a bool")
+        self.cuda_graph_batch_sizes = tuple(self.cuda_graph_batch_sizes)
+        sizes = self.cuda_graph_batch_sizes
+        _require(
+            all(_is_int(s) and s > 0 for s in sizes) and list(sizes) == sorted(set(sizes)),
+            "cuda_graph_batch_sizes",
+            f"must be strictly increasing positive ints, got {sizes!r}",
+        )
+        _require(_is_int(self.seed), "seed", f"must be an int, got {self.seed!r}")

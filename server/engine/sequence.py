@@ -1,0 +1,159 @@
+"""One request's state (Sequence) and its sampling parameters (torch-free)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+from enum import Enum, auto
+
+MAX_LOGPROBS = 20
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    PREEMPTED = auto()  # back in the waiting queue after its KV was freed; recomputes from token 0
+    FINISHED = auto()
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field}: {message}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 -> greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 -> disabled
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs to return (0 -> only the sampled token's)
+
+    def __post_init__(self) -> None:
+        _require(
+            _is_number(self.temperature) and self.temperature >= 0.0,
+            "temperature",
+            f"must be a number >= 0, got {self.temperature!r}",
+        )
+        _require(
+            _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}"
+        )
+        _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an int >= 0, got {self.top_k!r}")
+        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an int or None, got {self.seed!r}")
+        _require(
+            _is_int(self.max_tokens) and self.max_tokens >= 1,
+            "max_tokens",
+            f"must be an int >= 1, got {self.max_tokens!r}",
+        )
+        if isinstance(self.stop, str):  # a lone string is one stop string, not its characters
+            self.stop = (self.stop,)
+        self.stop = tuple(self.stop)
+        _require(
+            all(isinstance(s, str) and s for s in self.stop), "stop", f"must be non-empty strings, got {self.stop!r}"
+        )
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        _require(
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            f"must be ints >= 0, got {self.stop_token_ids!r}",
+        )
+        _require(isinstance(self.ignore_eos, bool), "ignore_eos", "must be a bool")
+        _require(
+            self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+            "logprobs",
+            f"must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
+        )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sequence:
+    """One request: its tokens, its KV bookkeeping (block table, computed tokens) and its lifecycle."""
+
+    __slots__ = (
+        "seq_id",
+        "request_id",
+        "prompt_token_ids",
+        "output_token_ids",
+        "token_ids",
+        "sampling",
+        "adapter",
+        "num_computed_tokens",
+        "block_table",
+        "status",
+        "arrival_time",
+        "finish_reason",
+        "num_preemptions",
+    )
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams | None = None,
+        request_id: str | None = None,
+        adapter: str | None = None,
+    ) -> None:
+        prompt = list(prompt_token_ids)
+        if not prompt:
+            raise ValueError("prompt_token_ids: must hold at least one token")
+        if not all(_is_int(t) and t >= 0 for t in prompt):
+            raise ValueError("prompt_token_ids: must be ints >= 0")
+        self.seq_id = next(Sequence._ids)
+        self.request_id = request_id if request_id is not None else f"req-{self.seq_id}"
+        self.prompt_token_ids = prompt
+        self.output_token_ids: list[int] = []
+        self.token_ids = list(prompt)  # prompt + output, kept in step so the runner never concatenates
+        self.sampling = sampling if sampling is not None else SamplingParams()
+        self.adapter = adapter  # the multi-LoRA issue uses it; ignored by the base engine
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_table: list[int] = []
+        self.status = SequenceStatus.WAITING
+        self.arrival_time = time.monotonic()
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, request_id={self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.token_ids.append(token_id)

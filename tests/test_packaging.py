@@ -1,0 +1,46 @@
+"""The package layout: import names map onto top-level folders, and stdlib ``operator`` stays stdlib."""
+
+import importlib
+import operator
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_stdlib_operator_is_not_shadowed():
+    assert operator.add(2, 3) == 5
+    assert not hasattr(operator, "__path__"), "a package named `operator` shadows the stdlib module"
+
+
+def test_stdlib_operator_in_a_fresh_interpreter_started_at_the_repo_root():
+    code = "import operator, sys; assert not hasattr(operator, '__path__'); print(operator.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "operator"
+
+
+def test_import_names_map_onto_folders():
+    for name, folder in [
+        ("loraplane.kernels", "kernels"),
+        ("loraplane.server", "server"),
+        ("loraplane.operator", "operator"),
+    ]:
+        module = importlib.import_module(name)
+        assert Path(module.__file__).resolve().parent == ROOT / folder
+
+
+def test_artifacts_import_without_torch():
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['triton'] = None\n"
+        "import loraplane.server.artifacts.base_hash\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
+def test_cli_lists_subcommands():
+    out = subprocess.run(
+        [sys.executable, "-m", "loraplane.cli", "--help"], capture_output=True, text=True, check=True
+    )
+    for sub in ("serve", "adapter", "operator"):
+        assert sub in out.stdout
