@@ -1,1 +1,20 @@
-"""Multi-LoRA kernels (Triton) and their plain-torch references. Imports nothing else of loraplane."""
+"""Multi-LoRA kernels (Triton) and their plain-torch references. Imports nothing else of loraplane.
+
+Engine API: ``LoRAPool`` (paged adapter weights in a byte budget), ``LoRABatchMeta`` (per-step batch
+metadata in fixed device buffers) and ``lora_apply`` (y += scale * x @ A^T @ B^T per token's adapter).
+"""
+
+from .metadata import LoRABatchMeta
+from .ops import lora_apply, lora_expand, lora_shrink
+from .pool import LoRAPool, ModuleSpec, PoolFullError, lora_scale
+
+__all__ = [
+    "LoRABatchMeta",
+    "LoRAPool",
+    "ModuleSpec",
+    "PoolFullError",
+    "lora_apply",
+    "lora_expand",
+    "lora_scale",
+    "lora_shrink",
+]

@@ -14,8 +14,14 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("loraplane.server.serve", "run the OpenAI-compatible multi-LoRA server"),
     "demo": ("loraplane.server.demo", "run a local server on the embedded demo model with demo adapters"),
-    "model": ("loraplane.server.engine.model_cli", "base-model tools: convert the demo model, print a base hash"),
-    "adapter": ("loraplane.server.artifacts.cli", "adapter supply chain: keygen, pack, sign, push, verify, pull"),
+    "model": (
+        "loraplane.server.engine.model_cli",
+        "base-model tools: convert the demo model, print a base hash",
+    ),
+    "adapter": (
+        "loraplane.server.artifacts.cli",
+        "adapter supply chain: keygen, pack, sign, push, verify, pull",
+    ),
     "operator": ("loraplane.operator.cli", "run the Kubernetes operator"),
 }
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -14,10 +16,13 @@ def test_stdlib_operator_is_not_shadowed():
     assert not hasattr(operator, "__path__"), "a package named `operator` shadows the stdlib module"
 
 
-def test_stdlib_operator_in_a_fresh_interpreter_started_at_the_repo_root():
-    code = "import operator, sys; assert not hasattr(operator, '__path__'); print(operator.__name__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "operator"
+@pytest.mark.parametrize("flags", [[], ["-S"], ["-I"]])
+def test_stdlib_operator_in_a_fresh_interpreter_started_at_the_repo_root(flags):
+    # -S skips site, so nothing imports the stdlib module before ./operator/ is first on sys.path.
+    code = "import operator; assert not hasattr(operator, '__path__'); print(operator.eq(1, 1), operator.__file__)"
+    out = subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("True ") and not out.stdout.strip().startswith(str(ROOT / "operator"))
 
 
 def test_import_names_map_onto_folders():

@@ -79,7 +79,9 @@ def tensor_entries(model_dir: Path) -> list[TensorEntry]:
         header, data_start = read_safetensors_header(path)
         for name, info in header.items():
             if name in entries:
-                raise BaseHashError(f"tensor {name!r} appears in both {entries[name].path.name} and {path.name}")
+                raise BaseHashError(
+                    f"tensor {name!r} appears in both {entries[name].path.name} and {path.name}"
+                )
             begin, end = info["data_offsets"]
             entries[name] = TensorEntry(
                 name, info["dtype"], tuple(info["shape"]), path, data_start + begin, end - begin

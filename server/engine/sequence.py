@@ -49,10 +49,14 @@ class SamplingParams:
             f"must be a number >= 0, got {self.temperature!r}",
         )
         _require(
-            _is_number(self.top_p) and 0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p!r}"
+            _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
+            "top_p",
+            f"must be in (0, 1], got {self.top_p!r}",
         )
         _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an int >= 0, got {self.top_k!r}")
-        _require(self.seed is None or _is_int(self.seed), "seed", f"must be an int or None, got {self.seed!r}")
+        _require(
+            self.seed is None or _is_int(self.seed), "seed", f"must be an int or None, got {self.seed!r}"
+        )
         _require(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
             "max_tokens",
@@ -62,7 +66,9 @@ class SamplingParams:
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         _require(
-            all(isinstance(s, str) and s for s in self.stop), "stop", f"must be non-empty strings, got {self.stop!r}"
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            f"must be non-empty strings, got {self.stop!r}",
         )
         self.stop_token_ids = tuple(self.stop_token_ids)
         _require(

@@ -1,0 +1,112 @@
+"""The engine's entry point: ``lora_apply`` adds every token's LoRA delta for one (layer, module).
+
+Dispatch: Triton on CUDA tensors; the plain-torch path (reference.py) on CPU. Tests force the Triton
+path on CPU (``backend="triton"``) under TRITON_INTERPRET=1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .metadata import LoRABatchMeta
+from .pool import LoRAPool
+from .reference import expand_torch, shrink_torch
+
+__all__ = ["lora_apply", "lora_expand", "lora_shrink"]
+
+
+def lora_shrink(x: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta: LoRABatchMeta, *, backend="auto"):
+    """Semantics: v[s, t, :r] = x[t] @ A_{a(t), s}^T for every token with an adapter (see shrink_torch).
+
+    x: [T, in_dim]. Returns v: torch path [S, T, max_rank]; Triton path [split_k, S, T, max_rank]
+    (sum the planes). Only expand needs to read it; ``lora_apply`` pairs them.
+    """
+    spec, a, _ = _checked(x, pool, layer, module, meta)
+    if _use_triton(x, backend):
+        from .triton_ops import pick_config, shrink_triton
+
+        cfg = pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
+        return shrink_triton(x, a, pool.page_table, pool.ranks, meta, pool.page_rank, pool.max_rank, cfg)
+    return shrink_torch(x, a, pool.page_table, pool.host_ranks(), meta, pool.page_rank, pool.max_rank)
+
+
+def lora_expand(y: torch.Tensor, v: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta, *, backend="auto"):
+    """Semantics: y[t, c] += scale(a(t)) * v[s(c), t, :r] @ B_{a(t), s(c)}^T[:, c]. In place; returns y.
+
+    y: [T, sum(out_dims)]; v from ``lora_shrink`` with the same backend.
+    """
+    spec = pool.modules[module]
+    bt = pool.bt[(layer, module)]
+    if _use_triton(y, backend):
+        from .triton_ops import expand_triton, pick_config
+
+        cfg = pick_config(meta, spec.in_dim, spec.out_dims, y.dtype)
+        if cfg.split_k != v.shape[0]:
+            cfg = dataclasses.replace(cfg, split_k=v.shape[0])
+        starts = pool.out_starts_tensor(module)
+        return expand_triton(y, v, bt, pool.page_table, pool.ranks, pool.scales, starts, meta, pool.page_rank, cfg)
+    return expand_torch(
+        y, v, bt, pool.page_table, pool.host_ranks(), pool.host_scales(), meta, pool.page_rank, spec.out_starts
+    )
+
+
+def lora_apply(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    pool: LoRAPool,
+    layer: int,
+    module: str,
+    meta: LoRABatchMeta,
+    *,
+    backend: str = "auto",
+    config=None,
+) -> torch.Tensor:
+    """Semantics: for every token t with adapter a = token_slot[t] >= 0 and every slice s,
+    y[t, out_starts[s]:out_starts[s+1]] += scale_a * (x[t] @ A_{a,s}^T) @ B_{a,s}^T; other rows unchanged.
+
+    y: [T, sum(out_dims)] (the base projection's output, any float dtype of the pool), x: [T, in_dim],
+    meta.num_tokens <= T <= meta.capacity (rows past num_tokens: no adapter). In place; returns y. ``config`` (a LaunchConfig)
+    overrides the heuristic launch shape on the Triton path. Graph-safe when ``meta.capture`` is set.
+    """
+    spec, a, bt = _checked(x, pool, layer, module, meta)
+    if y.dim() != 2 or y.shape != (x.shape[0], spec.out_total):
+        raise ValueError(f"y must be [{x.shape[0]}, {spec.out_total}], got {tuple(y.shape)}")
+    if y.dtype != pool.dtype:
+        raise ValueError(f"y.dtype {y.dtype} differs from the pool's {pool.dtype}")
+    if _use_triton(x, backend):
+        from .triton_ops import expand_triton, pick_config, shrink_triton
+
+        cfg = config or pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
+        v = shrink_triton(x, a, pool.page_table, pool.ranks, meta, pool.page_rank, pool.max_rank, cfg)
+        starts = pool.out_starts_tensor(module)
+        return expand_triton(y, v, bt, pool.page_table, pool.ranks, pool.scales, starts, meta, pool.page_rank, cfg)
+    ranks = pool.host_ranks()
+    v = shrink_torch(x, a, pool.page_table, ranks, meta, pool.page_rank, pool.max_rank)
+    return expand_torch(y, v, bt, pool.page_table, ranks, pool.host_scales(), meta, pool.page_rank, spec.out_starts)
+
+
+def _use_triton(t: torch.Tensor, backend: str) -> bool:
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
+    return backend == "triton" or (backend == "auto" and t.is_cuda)
+
+
+def _checked(x: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta: LoRABatchMeta):
+    if module not in pool.modules:
+        raise KeyError(f"module {module!r} is not in the pool (has {sorted(pool.modules)})")
+    if not 0 <= layer < pool.num_layers:
+        raise ValueError(f"layer must be in [0, {pool.num_layers}), got {layer}")
+    spec = pool.modules[module]
+    if x.dim() != 2 or x.shape[1] != spec.in_dim or x.stride(1) != 1:
+        raise ValueError(f"x must be a row-contiguous [T, {spec.in_dim}], got {tuple(x.shape)}")
+    if x.dtype != pool.dtype:
+        raise ValueError(f"x.dtype {x.dtype} differs from the pool's {pool.dtype}")
+    if not meta.num_tokens <= x.shape[0] <= meta.capacity:
+        raise ValueError(
+            f"x has {x.shape[0]} rows; the batch metadata needs {meta.num_tokens}..{meta.capacity} (extra rows: no adapter)"
+        )
+    if x.device != pool.device or meta.device != pool.device:
+        raise ValueError(f"x ({x.device}), pool ({pool.device}) and meta ({meta.device}) must share a device")
+    return spec, pool.a[(layer, module)], pool.bt[(layer, module)]

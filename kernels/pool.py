@@ -1,0 +1,265 @@
+"""A paged pool of LoRA weights: every adapter costs pages in proportion to its own rank.
+
+Layout. The pool is a set of ``num_pages`` pages of ``page_rank`` rank-rows each. An adapter of rank r
+owns ceil(r / page_rank) pages, anywhere in the pool, listed in its row of ``page_table``. Rank-row j of
+adapter ``slot`` lives at physical row ``page_table[slot, j // page_rank] * page_rank + j % page_rank`` of
+every (layer, module) weight buffer:
+
+- ``a[(layer, module)]``:  [num_slices, num_rows, in_dim]   rows of A_s (A_s is [r, in_dim])
+- ``bt[(layer, module)]``: [num_rows, sum(out_dims)]         rows of B^T, slices side by side
+  (B_s is [out_dims[s], r], so B_s^T occupies columns out_start[s]:out_start[s+1])
+
+One page table serves every layer and module, so one allocation places an adapter everywhere. Pages are
+interchangeable, so loading and evicting never fragments: any free pages serve any rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["LoRAPool", "ModuleSpec", "PoolFullError", "lora_scale"]
+
+
+def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
+    """PEFT's scaling: alpha / sqrt(r) with rsLoRA, else alpha / r."""
+    if rank <= 0:
+        raise ValueError(f"rank must be positive, got {rank}")
+    return float(alpha) / (math.sqrt(rank) if use_rslora else rank)
+
+
+class PoolFullError(RuntimeError):
+    """No free adapter slot or not enough free pages for the requested rank."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleSpec:
+    """One projection that carries LoRA: ``in_dim`` inputs and one or more packed output slices.
+
+    q_proj: ModuleSpec(4096, (4096,)); packed qkv: ModuleSpec(4096, (4096, 1024, 1024));
+    gate_up: ModuleSpec(4096, (14336, 14336)). Widths must be multiples of 16 (kernel tiles never
+    straddle two slices).
+    """
+
+    in_dim: int
+    out_dims: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.in_dim, int) or self.in_dim <= 0:
+            raise ValueError(f"ModuleSpec.in_dim must be a positive int, got {self.in_dim!r}")
+        if not self.out_dims or not all(isinstance(w, int) and w > 0 and w % 16 == 0 for w in self.out_dims):
+            raise ValueError(f"ModuleSpec.out_dims must be positive multiples of 16, got {self.out_dims!r}")
+        if len(self.out_dims) > 4:
+            raise ValueError(f"ModuleSpec.out_dims supports at most 4 slices, got {len(self.out_dims)}")
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.out_dims)
+
+    @property
+    def out_total(self) -> int:
+        return sum(self.out_dims)
+
+    @property
+    def out_starts(self) -> tuple[int, ...]:
+        """Column where each slice starts, plus the total: (0, w0, w0+w1, ..., out_total)."""
+        starts = [0]
+        for w in self.out_dims:
+            starts.append(starts[-1] + w)
+        return tuple(starts)
+
+    def row_elems(self) -> int:
+        """Elements one rank-row costs in this module: one A row per slice plus one B^T row."""
+        return self.num_slices * self.in_dim + self.out_total
+
+
+class LoRAPool:
+    """Adapters held in a byte budget, addressed by slot. Not thread-safe; the engine owns it.
+
+    ``allocate(rank, scale) -> slot``; ``write(slot, layer, module, slice_idx, A, B)``; ``free(slot)``.
+    Device tables read by the kernels: ``page_table`` [max_adapters, max_pages] int32, ``ranks``
+    [max_adapters] int32, ``scales`` [max_adapters] float32. Host mirrors: ``rank_of(slot)``.
+    """
+
+    def __init__(
+        self,
+        modules: dict[str, ModuleSpec],
+        num_layers: int,
+        budget_bytes: int,
+        *,
+        page_rank: int = 8,
+        max_rank: int = 128,
+        max_adapters: int | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not modules or not all(isinstance(s, ModuleSpec) for s in modules.values()):
+            raise ValueError("modules must map names to ModuleSpec")
+        if num_layers <= 0:
+            raise ValueError(f"num_layers must be positive, got {num_layers}")
+        if page_rank <= 0 or page_rank & (page_rank - 1):
+            raise ValueError(f"page_rank must be a power of two, got {page_rank}")
+        if max_rank <= 0 or max_rank % page_rank:
+            raise ValueError(f"max_rank must be a positive multiple of page_rank, got {max_rank}")
+        self.modules = dict(modules)
+        self.num_layers = num_layers
+        self.page_rank = page_rank
+        self.max_rank = max_rank
+        self.max_pages = max_rank // page_rank
+        self.dtype = dtype
+        self.device = torch.device(device)
+        elem = torch.empty((), dtype=dtype).element_size()
+        self.page_bytes = page_rank * num_layers * elem * sum(s.row_elems() for s in modules.values())
+        self.num_pages = int(budget_bytes) // self.page_bytes
+        if self.num_pages < 1:
+            raise ValueError(
+                f"budget_bytes={budget_bytes} holds no page (one page of {page_rank} rank-rows costs {self.page_bytes} B)"
+            )
+        self.max_adapters = max_adapters if max_adapters is not None else self.num_pages
+        if self.max_adapters < 1:
+            raise ValueError(f"max_adapters must be positive, got {self.max_adapters}")
+        rows = self.num_pages * page_rank
+        kw = dict(dtype=dtype, device=self.device)
+        self.a = {
+            (l, name): torch.zeros(spec.num_slices, rows, spec.in_dim, **kw)
+            for l in range(num_layers)
+            for name, spec in modules.items()
+        }
+        self.bt = {
+            (l, name): torch.zeros(rows, spec.out_total, **kw) for l in range(num_layers) for name, spec in modules.items()
+        }
+        self.page_table = torch.zeros(self.max_adapters, self.max_pages, dtype=torch.int32, device=self.device)
+        self.ranks = torch.zeros(self.max_adapters, dtype=torch.int32, device=self.device)
+        self.scales = torch.zeros(self.max_adapters, dtype=torch.float32, device=self.device)
+        # Lowest page / slot first: keeps tests deterministic; any order would be correct.
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))
+        self._free_slots = list(range(self.max_adapters - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}
+        self._rank: dict[int, int] = {}
+        self._scale: dict[int, float] = {}
+        self._starts: dict[str, torch.Tensor] = {}
+
+    # -- accounting -------------------------------------------------------------------------------------
+    @property
+    def free_pages(self) -> int:
+        return len(self._free_pages)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    def bytes_for_rank(self, rank: int) -> int:
+        return self.pages_for_rank(rank) * self.page_bytes
+
+    def pages_for_rank(self, rank: int) -> int:
+        return -(-rank // self.page_rank)
+
+    def can_allocate(self, rank: int) -> bool:
+        return bool(self._free_slots) and self.pages_for_rank(rank) <= len(self._free_pages)
+
+    def rank_of(self, slot: int) -> int:
+        self._check_slot(slot)
+        return self._rank[slot]
+
+    def scale_of(self, slot: int) -> float:
+        self._check_slot(slot)
+        return self._scale[slot]
+
+    def pages_of(self, slot: int) -> list[int]:
+        self._check_slot(slot)
+        return list(self._pages[slot])
+
+    def host_ranks(self) -> list[int]:
+        """Rank per slot (0 when free), for the batch-metadata builder."""
+        out = [0] * self.max_adapters
+        for slot, r in self._rank.items():
+            out[slot] = r
+        return out
+
+    def host_scales(self) -> list[float]:
+        """Scale per slot (0.0 when free)."""
+        out = [0.0] * self.max_adapters
+        for slot, s in self._scale.items():
+            out[slot] = s
+        return out
+
+    def out_starts_tensor(self, module: str) -> torch.Tensor:
+        """``ModuleSpec.out_starts`` as an int32 tensor on the pool's device (made once)."""
+        if module not in self._starts:
+            self._starts[module] = torch.tensor(self.modules[module].out_starts, dtype=torch.int32, device=self.device)
+        return self._starts[module]
+
+    def rows_of(self, slot: int) -> torch.Tensor:
+        """Physical row of each rank-row of ``slot``: int64 [rank] on the pool's device."""
+        pages = torch.tensor(self.pages_of(slot), dtype=torch.int64)
+        j = torch.arange(self._rank[slot])
+        return (pages[j // self.page_rank] * self.page_rank + j % self.page_rank).to(self.device)
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+    def allocate(self, rank: int, scale: float) -> int:
+        """Reserve pages for an adapter of ``rank``; returns its slot. Its B rows start at zero, so a
+        module never written contributes nothing."""
+        if not isinstance(rank, int) or not 0 < rank <= self.max_rank:
+            raise ValueError(f"rank must be an int in [1, {self.max_rank}], got {rank!r}")
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale!r}")
+        need = self.pages_for_rank(rank)
+        if not self._free_slots:
+            raise PoolFullError(f"no free adapter slot (max_adapters={self.max_adapters})")
+        if need > len(self._free_pages):
+            raise PoolFullError(f"rank {rank} needs {need} pages, {len(self._free_pages)} free")
+        slot = self._free_slots.pop()
+        pages = [self._free_pages.pop() for _ in range(need)]
+        self._pages[slot], self._rank[slot], self._scale[slot] = pages, rank, float(scale)
+        row = torch.zeros(self.max_pages, dtype=torch.int32)
+        row[:need] = torch.tensor(pages, dtype=torch.int32)
+        self.page_table[slot].copy_(row)
+        self.ranks[slot] = rank
+        self.scales[slot] = float(scale)
+        rows = self.rows_of(slot)
+        for bt in self.bt.values():
+            bt.index_fill_(0, rows, 0)
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return the adapter's pages and slot. Its data stays until the pages are reused."""
+        self._check_slot(slot)
+        self._free_pages.extend(reversed(self._pages.pop(slot)))
+        del self._rank[slot], self._scale[slot]
+        self.ranks[slot] = 0
+        self.scales[slot] = 0.0
+        self._free_slots.append(slot)
+
+    def write(
+        self, slot: int, layer: int, module: str, slice_idx: int, a: torch.Tensor, b: torch.Tensor
+    ) -> None:
+        """Store one slice's factors: ``a`` = lora_A [r', in_dim], ``b`` = lora_B [out_dims[slice], r'].
+
+        r' may be below the adapter's rank (PEFT rank_pattern): the remaining B rows stay zero.
+        The scale is not folded in; the kernels apply ``scales[slot]``.
+        """
+        self._check_slot(slot)
+        if (layer, module) not in self.a:
+            raise KeyError(f"no (layer={layer}, module={module!r}) in this pool")
+        spec = self.modules[module]
+        if not 0 <= slice_idx < spec.num_slices:
+            raise ValueError(f"slice_idx must be in [0, {spec.num_slices}), got {slice_idx}")
+        rank = self._rank[slot]
+        if a.dim() != 2 or a.shape[1] != spec.in_dim or not 0 < a.shape[0] <= rank:
+            raise ValueError(f"a must be [r<={rank}, {spec.in_dim}], got {tuple(a.shape)}")
+        width = spec.out_dims[slice_idx]
+        if b.shape != (width, a.shape[0]):
+            raise ValueError(f"b must be [{width}, {a.shape[0]}], got {tuple(b.shape)}")
+        rows = self.rows_of(slot)[: a.shape[0]]
+        c0 = spec.out_starts[slice_idx]
+        self.a[(layer, module)][slice_idx].index_copy_(0, rows, a.to(self.device, self.dtype))
+        bt = self.bt[(layer, module)]
+        bt[:, c0 : c0 + width].index_copy_(0, rows, b.t().to(self.device, self.dtype))
+        if a.shape[0] < rank:
+            bt[:, c0 : c0 + width].index_fill_(0, self.rows_of(slot)[a.shape[0] :], 0)
+
+    def _check_slot(self, slot: int) -> None:
+        if slot not in self._rank:
+            raise KeyError(f"slot {slot!r} is not allocated")

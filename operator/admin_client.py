@@ -1,0 +1,131 @@
+"""The operator's client of one server pod's admin API (the contract is in docs/operator.md).
+
+Every call carries the Bearer admin token; every failure is an ``AdminError`` whose ``reason`` is a
+condition reason (PodUnreachable for connection errors and timeouts, else the pod's own reason).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import httpx
+
+from loraplane.operator import conditions as C
+
+# Pod-side adapter states, as GET /admin/adapters reports them.
+PULLING, CACHED, LOADED, WARM, FAILED = "pulling", "cached", "loaded", "warm", "failed"
+USABLE = frozenset({WARM})
+
+
+class AdminError(Exception):
+    def __init__(self, reason: str, message: str, pod: str = ""):
+        super().__init__(f"{pod}: {reason}: {message}" if pod else f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+        self.pod = pod
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedVersion:
+    """One version of one adapter on one pod."""
+
+    name: str
+    version: str
+    digest: str
+    state: str  # pulling | cached | loaded | warm | failed
+    serving: bool  # the alias ``name`` points at this version
+    message: str = ""
+
+    @classmethod
+    def parse(cls, obj: dict) -> LoadedVersion:
+        return cls(
+            name=str(obj.get("name", "")),
+            version=str(obj.get("version", "")),
+            digest=str(obj.get("digest", "")),
+            state=str(obj.get("state", "")),
+            serving=bool(obj.get("serving", False)),
+            message=str(obj.get("message", ""))[:512],
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LoadRequest:
+    uri: str
+    version: str
+    manifest_digest: str
+    pin: bool
+    warm: str
+
+    def body(self) -> dict:
+        return {
+            "uri": self.uri,
+            "version": self.version,
+            "manifest_digest": self.manifest_digest,
+            "pin": self.pin,
+            "warm": self.warm,
+        }
+
+
+class AdminClient:
+    """One shared httpx client for every pod; a pod is addressed by its IP and the admin port."""
+
+    def __init__(self, *, port: int, connect_timeout: float = 2.0, read_timeout: float = 30.0):
+        self.port = port
+        timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
+        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        self._http = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _call(self, pod: str, ip: str, token: str, method: str, path: str, **kw) -> httpx.Response:
+        url = f"http://{ip}:{self.port}{path}"
+        headers = {"Authorization": f"Bearer {token}"}
+        try:
+            response = await self._http.request(method, url, headers=headers, **kw)
+        except httpx.TimeoutException as exc:
+            raise AdminError(C.POD_UNREACHABLE, f"{method} {path} timed out ({type(exc).__name__})", pod) from None
+        except httpx.HTTPError as exc:
+            raise AdminError(C.POD_UNREACHABLE, f"{method} {path}: {type(exc).__name__}", pod) from None
+        if response.status_code >= 400 and not (method == "DELETE" and response.status_code == 404):
+            raise _error(pod, method, path, response)
+        return response
+
+    async def ready(self, pod: str, ip: str, token: str) -> dict:
+        """GET /health/ready -> {"status": "ready", "base_hash": "<64 hex>"}."""
+        return (await self._call(pod, ip, token, "GET", "/health/ready")).json()
+
+    async def list(self, pod: str, ip: str, token: str) -> list[LoadedVersion]:
+        """GET /admin/adapters: every version the pod holds (its truth, rebuilt after a restart)."""
+        body = (await self._call(pod, ip, token, "GET", "/admin/adapters")).json()
+        return [LoadedVersion.parse(item) for item in body.get("adapters", [])]
+
+    async def load(self, pod: str, ip: str, token: str, name: str, request: LoadRequest) -> LoadedVersion:
+        """PUT /admin/adapters/{name}: pull, verify and warm ``name@version`` (idempotent).
+
+        200 when warm, 202 while still pulling or warming (call again later). The alias switches to it
+        only if the pod serves no version of ``name`` yet.
+        """
+        response = await self._call(pod, ip, token, "PUT", f"/admin/adapters/{name}", json=request.body())
+        return LoadedVersion.parse(response.json())
+
+    async def switch(self, pod: str, ip: str, token: str, name: str, version: str) -> None:
+        """POST /admin/adapters/{name}/alias: route ``name`` to ``version`` (already warm) atomically."""
+        await self._call(pod, ip, token, "POST", f"/admin/adapters/{name}/alias", json={"version": version})
+
+    async def unload(self, pod: str, ip: str, token: str, name: str, version: str | None = None) -> None:
+        """DELETE /admin/adapters/{name}[?version=]: unload one version, or all; absent is success."""
+        params = {"version": version} if version else None
+        await self._call(pod, ip, token, "DELETE", f"/admin/adapters/{name}", params=params)
+
+
+def _error(pod: str, method: str, path: str, response: httpx.Response) -> AdminError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = {}
+    reason = body.get("reason") if isinstance(body, dict) else None
+    message = body.get("message") if isinstance(body, dict) else None
+    if not isinstance(reason, str) or not reason.isalnum():
+        reason = C.POD_UNREACHABLE if response.status_code in (502, 503, 504) else C.POD_FAILED
+    return AdminError(reason, f"{method} {path} -> HTTP {response.status_code}: {message or response.reason_phrase}", pod)

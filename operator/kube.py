@@ -1,0 +1,198 @@
+"""The one module that talks to the Kubernetes API (the official ``kubernetes`` client, sync, in threads).
+
+Objects are plain dicts (``call_api`` with ``response_type="object"``), so one code path serves core,
+apps and custom resources. Writes are level-based and idempotent: ``apply`` creates what is missing,
+leaves alone what already holds the desired fields, and otherwise replaces with the resourceVersion
+it read, re-reading and re-applying on 409. Status goes through the status subresource as a JSON merge
+patch: the operator never writes spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import logging
+import time
+from dataclasses import dataclass
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+from loraplane.operator.crd_models import API_VERSION, BASE_PLURAL
+
+log = logging.getLogger(__name__)
+
+MERGE_PATCH = "application/merge-patch+json"
+CONFLICT_RETRIES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """Where an object lives in the API: ``/api/v1`` or ``/apis/<group>/<version>``, plural, namespace, name."""
+
+    prefix: str
+    plural: str
+    namespace: str
+    name: str = ""
+
+    def path(self, sub: str = "") -> str:
+        base = f"{self.prefix}/namespaces/{self.namespace}/{self.plural}"
+        return base + (f"/{self.name}" if self.name else "") + (f"/{sub}" if sub else "")
+
+
+def ref_of(obj: dict) -> Ref:
+    api_version, kind = obj["apiVersion"], obj["kind"]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    plural = {"LoRABase": BASE_PLURAL}.get(kind) or kind.lower() + "s"
+    return Ref(prefix, plural, obj["metadata"]["namespace"], obj["metadata"]["name"])
+
+
+def base_ref(namespace: str, name: str = "") -> Ref:
+    return Ref(f"/apis/{API_VERSION}", BASE_PLURAL, namespace, name)
+
+
+def custom_ref(plural: str, namespace: str, name: str = "") -> Ref:
+    return Ref(f"/apis/{API_VERSION}", plural, namespace, name)
+
+
+def pods_ref(namespace: str) -> Ref:
+    return Ref("/api/v1", "pods", namespace)
+
+
+def is_subset(want, have) -> bool:
+    """Does ``have`` already hold every field of ``want``? (The server adds defaults; those do not count.)"""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(k in have and is_subset(v, have[k]) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(have, list) and len(want) == len(have) and all(map(is_subset, want, have))
+    return want == have
+
+
+class Kube:
+    """Async facade over one ``kubernetes.client.ApiClient`` (built from an explicit configuration)."""
+
+    def __init__(self, api: kubernetes.client.ApiClient):
+        self.api = api
+        self._secret_cache: dict[tuple[str, str], tuple[float, dict[str, str]]] = {}
+
+    # --- raw calls ---------------------------------------------------------------------------------
+    def _call(self, method: str, path: str, body=None, query: list | None = None, content_type: str | None = None):
+        headers = {"Accept": "application/json"}
+        if content_type or body is not None:
+            headers["Content-Type"] = content_type or "application/json"
+        return self.api.call_api(
+            path,
+            method,
+            query_params=query or [],
+            header_params=headers,
+            body=body,
+            response_types_map={200: "object", 201: "object", 202: "object"},
+            auth_settings=["BearerToken"],
+            _return_http_data_only=True,
+            _request_timeout=30,
+        )
+
+    async def call(self, method: str, path: str, body=None, query=None, content_type=None):
+        return await asyncio.to_thread(self._call, method, path, body, query, content_type)
+
+    # --- reads -------------------------------------------------------------------------------------
+    async def get(self, ref: Ref) -> dict | None:
+        try:
+            return await self.call("GET", ref.path())
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, ref: Ref, label_selector: str | None = None) -> list[dict]:
+        query = [("labelSelector", label_selector)] if label_selector else []
+        return (await self.call("GET", ref.path(), query=query)).get("items", [])
+
+    async def secret_data(self, namespace: str, name: str, ttl: float = 30.0) -> dict[str, str] | None:
+        """A Secret's decoded data, read by name (never listed), cached briefly; None if absent."""
+        key = (namespace, name)
+        cached = self._secret_cache.get(key)
+        if cached and time.monotonic() - cached[0] < ttl:
+            return cached[1]
+        secret = await self.get(Ref("/api/v1", "secrets", namespace, name))
+        if secret is None:
+            self._secret_cache.pop(key, None)
+            return None
+        data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+        data.update(secret.get("stringData") or {})
+        self._secret_cache[key] = (time.monotonic(), data)
+        return data
+
+    # --- writes ------------------------------------------------------------------------------------
+    async def create_if_absent(self, obj: dict) -> bool:
+        """Create ``obj`` unless it exists (the admin token: never overwritten). True when created."""
+        ref = ref_of(obj)
+        if await self.get(ref) is not None:
+            return False
+        try:
+            await self.call("POST", Ref(ref.prefix, ref.plural, ref.namespace).path(), body=obj)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:  # someone else created it first: same outcome
+                return False
+            raise
+
+    async def apply(self, desired: dict) -> str:
+        """Make the object hold ``desired``'s fields: "created", "updated" or "unchanged"."""
+        ref = ref_of(desired)
+        for _ in range(CONFLICT_RETRIES):
+            existing = await self.get(ref)
+            try:
+                if existing is None:
+                    await self.call("POST", Ref(ref.prefix, ref.plural, ref.namespace).path(), body=desired)
+                    return "created"
+                managed = {k: desired[k] for k in ("spec", "data") if k in desired}
+                managed["metadata"] = {k: desired["metadata"][k] for k in ("labels", "ownerReferences")}
+                if is_subset(managed, existing):
+                    return "unchanged"
+                await self.call("PUT", ref.path(), body=_replaced(existing, desired))
+                return "updated"
+            except ApiException as exc:
+                if exc.status != 409:
+                    raise
+                log.debug("conflict applying %s, re-reading", ref.path())
+        raise RuntimeError(f"{ref.path()}: still conflicting after {CONFLICT_RETRIES} attempts")
+
+    async def patch_status(self, ref: Ref, status: dict) -> dict | None:
+        """Merge-patch ``status`` (no resourceVersion: the operator is the only status writer). None if gone."""
+        try:
+            return await self.call("PATCH", ref.path("status"), body={"status": status}, content_type=MERGE_PATCH)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+
+def _replaced(existing: dict, desired: dict) -> dict:
+    """``existing`` with our fields replaced: spec (or Secret data), our labels, our ownerReferences."""
+    body = copy.deepcopy(existing)
+    meta = body.setdefault("metadata", {})
+    meta["labels"] = {**(meta.get("labels") or {}), **desired["metadata"]["labels"]}
+    meta["ownerReferences"] = desired["metadata"]["ownerReferences"]
+    if "data" in desired:
+        body["data"] = desired["data"]
+    if "spec" in desired:
+        if desired["kind"] == "Service":  # keep what the API server allocated (clusterIP, ...)
+            body["spec"] = {**(body.get("spec") or {}), **desired["spec"]}
+        else:
+            body["spec"] = desired["spec"]
+    body.pop("status", None)
+    return body
+
+
+def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> kubernetes.client.ApiClient:
+    """An ApiClient from an explicit kubeconfig file, or in-cluster config when none is given."""
+    configuration = kubernetes.client.Configuration()
+    if kubeconfig:
+        kubernetes.config.load_kube_config(
+            config_file=kubeconfig, context=context, client_configuration=configuration
+        )
+    else:
+        kubernetes.config.load_incluster_config(client_configuration=configuration)
+    return kubernetes.client.ApiClient(configuration)

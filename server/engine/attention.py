@@ -1,0 +1,193 @@
+"""Attention over a paged KV cache.
+
+Layout: per layer ``k_cache``/``v_cache`` of shape [num_blocks, block_size, num_kv_heads, head_dim]; the KV of
+position p of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
+
+Paths (semantics identical: a query at position p attends causally to positions [0, p] of its sequence):
+- prefill spans (any chunk on CPU; multi-token chunks on GPU): gather the span's context from the cache and
+  call SDPA with a bottom-right causal mask; a span whose context is only itself skips the gather;
+- decode rows (single-token chunks on GPU): a Triton paged flash-decoding kernel that walks block tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSpan:
+    q_start: int  # first row of this chunk in the flattened batch
+    q_len: int  # rows (new tokens) of this chunk
+    ctx_len: int  # positions attended: [0, ctx_len), the chunk's own tokens last
+    gather_start: int  # offset of its context in AttentionMetadata.gather_slots; -1: context == the chunk
+
+    def __post_init__(self) -> None:
+        if not (0 < self.q_len <= self.ctx_len):
+            raise ValueError(f"PrefillSpan: need 0 < q_len <= ctx_len, got {self.q_len}, {self.ctx_len}")
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Built once per step by the runner; shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [T] int64, -1: do not store (padding rows of a CUDA graph)
+    prefill: list[PrefillSpan] = field(default_factory=list)
+    gather_slots: torch.Tensor | None = None  # [sum ctx_len of spans that gather] int64
+    decode_rows: torch.Tensor | None = None  # [Bd] int64 rows for the decode kernel; None: every row
+    block_tables: torch.Tensor | None = None  # [Bd, W] int32; None: no decode rows
+    seq_lens: torch.Tensor | None = None  # [Bd] int32 context length incl. the new token
+
+
+# --------------------------------------------------------------------------------------------- KV write
+@triton.jit
+def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, ROW: tl.constexpr,
+                     BLOCK: tl.constexpr):  # fmt: skip
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < ROW
+        k = tl.load(k_ptr + t * stride_k + cols, mask=mask)
+        v = tl.load(v_ptr + t * stride_v + cols, mask=mask)
+        tl.store(kc_ptr + slot * ROW + cols, k, mask=mask)
+        tl.store(vc_ptr + slot * ROW + cols, v, mask=mask)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, triton_: bool | None = None) -> None:  # fmt: skip
+    """k, v: [T, Hkv, D]; caches [N, B, Hkv, D]; slot_mapping [T] -> cache rows written in place."""
+    T, H, D = k.shape
+    if not (k.is_cuda if triton_ is None else triton_):
+        k_cache.view(-1, H, D).index_copy_(0, slot_mapping, k)
+        v_cache.view(-1, H, D).index_copy_(0, slot_mapping, v)
+        return
+    assert k.stride(1) == D and v.stride(1) == D and k_cache.is_contiguous()
+    _write_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=H * D,
+                           BLOCK=triton.next_power_of_2(H * D), num_warps=4)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- prefill (SDPA)
+def _sdpa_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [n, Hq, D]; k, v: [L, Hkv, D] with the queries at the last n positions -> [n, Hq, D]."""
+    n, L = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    kh = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+    vh = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
+    if n == L:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        rows = torch.arange(L - n, L, device=q.device)[:, None]
+        mask = torch.arange(L, device=q.device)[None, :] <= rows  # [n, L] bottom-right causal
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, out: torch.Tensor) -> None:
+    H, D = k.shape[1], k.shape[2]
+    k_ctx = v_ctx = None
+    if meta.gather_slots is not None and meta.gather_slots.numel():
+        k_ctx = k_cache.view(-1, H, D)[meta.gather_slots]  # [sum ctx, Hkv, D]
+        v_ctx = v_cache.view(-1, H, D)[meta.gather_slots]
+    for s in meta.prefill:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        if s.gather_start < 0:
+            ks, vs = k[rows], v[rows]
+        else:
+            ctx = slice(s.gather_start, s.gather_start + s.ctx_len)
+            ks, vs = k_ctx[ctx], v_ctx[ctx]
+        out[rows] = _sdpa_span(q[rows], ks, vs, scale)
+
+
+# ------------------------------------------------------------------------------------ decode (Triton)
+@triton.jit
+def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, scale,
+                         stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    seq_len = tl.load(lens_ptr + b)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, D)
+    heads = kvh * GROUP + g
+    gmask = g < GROUP
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        nmask = n < seq_len
+        blk = tl.load(bt_ptr + b * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
+        off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(nmask[None, :], s * scale, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # empty (padding) rows write zeros, not NaN
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=gmask[:, None])  # fmt: skip
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """q: [B, Hq, D]; caches [N, bs, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32 -> [B, Hq, D]."""
+    B, Hq, D = q.shape
+    _, block_size, Hkv, _ = k_cache.shape
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and D & (D - 1) == 0
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1
+    group = Hq // Hkv
+    out = torch.empty_like(q) if out is None else out
+    block_n = max(64, block_size)
+    _paged_decode_kernel[(B, Hkv)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+    )  # fmt: skip
+    return out
+
+
+def paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torch.Tensor:
+    """Plain-torch reference of paged_decode (for tests)."""
+    bs, H, D = k_cache.shape[1:]
+    outs = []
+    for i in range(q.shape[0]):
+        L = int(seq_lens[i])
+        pos = torch.arange(L, device=q.device)
+        slots = block_tables[i].long()[pos // bs] * bs + pos % bs
+        outs.append(_sdpa_span(q[i : i + 1], k_cache.view(-1, H, D)[slots], v_cache.view(-1, H, D)[slots], scale))
+    return torch.cat(outs)
+
+
+def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D] (already in the cache) -> [T, Hq, D]."""
+    if meta.block_tables is not None and meta.decode_rows is None:
+        return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    out = torch.empty_like(q)
+    if meta.prefill:
+        _prefill(q, k, v, k_cache, v_cache, meta, scale, out)
+    if meta.block_tables is not None:
+        out[meta.decode_rows] = paged_decode(q[meta.decode_rows], k_cache, v_cache, meta.block_tables,
+                                             meta.seq_lens, scale)  # fmt: skip
+    return out

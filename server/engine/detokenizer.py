@@ -1,0 +1,109 @@
+"""Incremental detokenization with stop strings (torch-free; the tokenizer is duck-typed, never imported).
+
+Decoding token by token is wrong for byte-level BPE: one character can span tokens (a partial UTF-8 sequence
+decodes to U+FFFD) and SentencePiece drops a leading space when a slice starts mid-text. As in vLLM, each new
+token is decoded inside a short window: text = decode(ids[prefix:]) minus decode(ids[prefix:read]); the window
+only moves on once the text no longer ends in a replacement character.
+
+Stop strings truncate the output where they begin. While streaming, text that could still turn into a stop
+string (a suffix that is a prefix of one) is held back, so a client never sees half a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+REPLACEMENT_CHAR = "\ufffd"
+_PREFIX_WINDOW = 5  # prompt tokens decoded as context for the first output token
+
+
+class TokenizerLike(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    __slots__ = (
+        "tokenizer",
+        "token_ids",
+        "prefix_offset",
+        "read_offset",
+        "text",
+        "stop",
+        "skip_special_tokens",
+        "stopped_on",
+        "_emitted",
+    )
+
+    def __init__(
+        self,
+        tokenizer: TokenizerLike,
+        prompt_token_ids: list[int],
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_token_ids)
+        self.read_offset = len(self.token_ids)  # ids before it are already in the text (or are the prompt)
+        self.prefix_offset = max(0, self.read_offset - _PREFIX_WINDOW)
+        self.text = ""  # the output so far, truncated at a stop string once one matched
+        self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
+        self.stopped_on: str | None = None  # the stop string that ended the output
+        self._emitted = 0  # chars of self.text already handed out by take_delta()
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int) -> bool:
+        """Append one generated token; True when a stop string now ends the output."""
+        if self.stopped_on is not None:
+            raise RuntimeError("add_token after a stop string matched")
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self._decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return False  # an incomplete character (or nothing visible yet): wait for more bytes
+        previous_len = len(self.text)
+        self.text += new_text[len(prefix_text) :]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return self._check_stop(previous_len)
+
+    def _check_stop(self, previous_len: int) -> bool:
+        earliest = -1
+        for stop in self.stop:
+            # Only a match that ends in the new text can be new; it may start up to len(stop) - 1 chars earlier.
+            index = self.text.find(stop, max(0, previous_len - len(stop) + 1))
+            if index != -1 and (earliest == -1 or index < earliest):
+                earliest, self.stopped_on = index, stop
+        if earliest == -1:
+            return False
+        self.text = self.text[:earliest]
+        return True
+
+    def flush(self) -> None:
+        """At the end of the output: keep whatever bytes are pending, even if they never completed a character."""
+        if self.stopped_on is None and self.read_offset < len(self.token_ids):
+            prefix_text = self._decode(self.token_ids[self.prefix_offset : self.read_offset])
+            new_text = self._decode(self.token_ids[self.prefix_offset :])
+            self.text += new_text[len(prefix_text) :]
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+
+    def _held_back(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of some stop string."""
+        held = 0
+        for stop in self.stop:
+            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
+                if self.text.endswith(stop[:k]):
+                    held = k
+                    break
+        return held
+
+    def take_delta(self, finished: bool) -> str:
+        """Text not handed out before; while unfinished, minus a tail that may still become a stop string."""
+        if finished:
+            self.flush()
+        end = len(self.text) if finished else len(self.text) - self._held_back()
+        if end <= self._emitted:
+            return ""
+        delta, self._emitted = self.text[self._emitted : end], end
+        return delta

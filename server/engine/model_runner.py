@@ -1,0 +1,259 @@
+"""The only owner of the device: loads the model, holds the paged KV cache, runs one scheduled step.
+
+Per step the runner flattens the scheduled chunks into one token batch and builds every index tensor
+once (token ids, positions, KV slots, block tables, context lengths, rows to score); layers share them
+through ``AttentionMetadata``. Decode-only steps replay a CUDA graph when one fits.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .attention import AttentionMetadata, PrefillSpan
+from .cuda_graphs import DecodeGraphs
+from .model import CausalLM
+from .model_config import ModelConfig
+from .sampler import SamplingMetadata, sample
+from .weights import base_hash, load_model
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_GRAPH_RESERVE_BYTES = 1 << 30  # graphs, sampler temporaries, cuBLAS/Triton workspaces outside the profile
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of the sampled token, when requested
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64 rows whose next token is sampled
+    decode_only: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("EngineConfig.device: 'cuda' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    ids = list(cfg.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for t in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if t not in ids:
+                ids.append(int(t))
+    return tuple(ids)
+
+
+class ModelRunner:
+    def __init__(self, config, *, model: CausalLM | None = None, model_config: ModelConfig | None = None) -> None:
+        """``model``/``model_config``: an already built model (benchmarks with random weights); else load."""
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        cfg = model_config or ModelConfig.from_pretrained(config.model, config.max_model_len)
+        self.model_config = cfg
+        self.max_model_len = config.max_model_len or cfg.default_max_model_len()
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"EngineConfig.max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+        self.block_size = config.block_size
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = _eos_ids(Path(config.model), cfg)
+        free_before = self._free_device_memory()
+        if model is None:
+            self.model = load_model(config.model, cfg, self.device, self.dtype)
+            self.base_hash = base_hash(config.model)
+        else:
+            self.model, self.base_hash = model, "in-memory"
+        self.model.init_rope(self.max_model_len, self.device)
+        self.num_kv_blocks = self._num_kv_blocks(free_before)
+        self._allocate_kv_cache()
+        self.generators: dict[int, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            sizes = tuple(s for s in config.cuda_graph_batch_sizes if s <= config.max_num_seqs)
+            if sizes:
+                self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+
+    # ------------------------------------------------------------------------------------ KV cache
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        cfg = self.model_config
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+
+    def _free_device_memory(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._allocated_before = torch.cuda.memory_allocated()
+        return torch.cuda.mem_get_info()[0]
+
+    def _num_kv_blocks(self, free_before: int) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return max(1, self.config.cpu_kv_cache_bytes // self.kv_block_bytes)
+        self._profile_forward()
+        used = torch.cuda.max_memory_allocated() - self._allocated_before  # weights + peak activations
+        budget = int(free_before * self.config.gpu_memory_utilization) - used - _GRAPH_RESERVE_BYTES
+        if budget < self.kv_block_bytes * self.max_blocks_per_seq:
+            raise ValueError(
+                f"EngineConfig.gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves "
+                f"{budget / 2**30:.2f} GiB for KV, less than one sequence of max_model_len={self.max_model_len}"
+            )
+        return budget // self.kv_block_bytes
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """One forward at the largest step size (empty cache: no KV writes) to measure peak activations."""
+        T = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
+        spans, row = [], 0
+        while row < T:
+            n = min(self.max_model_len, T - row)
+            spans.append(PrefillSpan(row, n, n, -1))
+            row += n
+        ids = torch.randint(0, self.vocab_size, (T,), device=self.device)
+        positions = torch.cat([torch.arange(s.q_len, device=self.device) for s in spans])
+        meta = AttentionMetadata(slot_mapping=torch.full((T,), -1, device=self.device), prefill=spans)
+        rows = torch.arange(min(T, self.config.max_num_seqs), device=self.device)
+        self.model(ids, positions, meta, rows)
+        torch.cuda.synchronize()
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.model_config
+        shape = (self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        for layer in self.model.model.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # --------------------------------------------------------------------------------------- inputs
+    def _prepare(self, batch) -> StepInputs:
+        bs, cuda = self.block_size, self.device.type == "cuda"
+        ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        spans: list[PrefillSpan] = []
+        gather: list[int] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in batch.chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            end, row, table = start + n, len(ids), seq.block_table
+            if end > self.max_model_len:
+                raise ValueError(f"sequence {seq.seq_id}: {end} tokens exceed max_model_len={self.max_model_len}")
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1 and cuda:
+                dec_rows.append(row)
+                dec_tables.append(table[: -(-end // bs)])
+                dec_lens.append(end)
+            elif start == 0:
+                spans.append(PrefillSpan(row, n, n, -1))
+            else:
+                spans.append(PrefillSpan(row, n, end, len(gather)))
+                gather.extend(table[p // bs] * bs + p % bs for p in range(end))
+            if chunk.sample:
+                sample_rows.append(row + n - 1)
+        T = len(ids)
+        flat = torch.tensor(ids + positions + slots + sample_rows + gather + dec_rows, dtype=torch.int64)
+        flat = flat.to(self.device, non_blocking=True)
+        cuts = (T, 2 * T, 3 * T, 3 * T + len(sample_rows), 3 * T + len(sample_rows) + len(gather))
+        meta = AttentionMetadata(slot_mapping=flat[cuts[1] : cuts[2]], prefill=spans)
+        if gather:
+            meta.gather_slots = flat[cuts[3] : cuts[4]]
+        decode_only = len(dec_rows) == len(batch.chunks)
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in dec_tables]
+            meta.block_tables = torch.tensor(padded, dtype=torch.int32).to(self.device, non_blocking=True)
+            meta.seq_lens = torch.tensor(dec_lens, dtype=torch.int32).to(self.device, non_blocking=True)
+            meta.decode_rows = None if decode_only else flat[cuts[4] :]
+        return StepInputs(flat[:T], flat[T : 2 * T], meta, flat[cuts[2] : cuts[3]], decode_only)
+
+    def _sampling_metadata(self, batch) -> SamplingMetadata:
+        params = [c.seq.sampling for c in batch.chunks if c.sample]
+        seqs = [c.seq for c in batch.chunks if c.sample]
+        gens: list[torch.Generator | None] = []
+        for seq, p in zip(seqs, params, strict=True):
+            if p.seed is None or p.temperature == 0:
+                gens.append(None)
+                continue
+            if seq.seq_id not in self.generators:
+                self.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(p.seed)
+            gens.append(self.generators[seq.seq_id])
+        all_greedy = all(p.temperature == 0 for p in params)
+        dev = torch.device("cpu") if all_greedy else self.device
+        return SamplingMetadata(
+            temperatures=torch.tensor([float(p.temperature) for p in params], dtype=torch.float32).to(dev),
+            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64).to(dev),
+            top_ps=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32).to(dev),
+            all_greedy=all_greedy,
+            any_top_k=any(p.top_k > 0 and p.temperature > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
+            generators=gens,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+    # ---------------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def forward_logits(self, batch) -> torch.Tensor:
+        """Run the model on one scheduled step; fp32 logits [S, V] of the chunks that sample."""
+        inp = self._prepare(batch)
+        meta = inp.meta
+        if inp.decode_only and self.graphs is not None and len(batch.chunks) <= self.graphs.max_batch_size:
+            logits = self.graphs.run(inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            # a 1-token chunk that does not end its prompt scores nothing
+            return logits if inp.logits_indices.numel() == logits.shape[0] else logits[inp.logits_indices]
+        return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)
+
+    @torch.inference_mode()
+    def execute(self, batch) -> list[SampledToken]:
+        """One SampledToken per chunk with sample=True, in chunk order."""
+        if batch.freed_seq_ids:
+            self.release(batch.freed_seq_ids)
+        if not batch.chunks:
+            return []
+        logits = self.forward_logits(batch)
+        if logits.shape[0] == 0:
+            return []
+        out = sample(logits, self._sampling_metadata(batch), self.default_generator)
+        return [
+            SampledToken(t, lp, top)
+            for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)
+        ]
+
+    def release(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)

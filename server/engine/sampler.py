@@ -1,0 +1,93 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+
+Sampling draws with the exponential race (argmax of probs / Exp(1) noise), which equals a categorical draw
+and needs no host sync. A seeded request draws its noise row from its own ``torch.Generator``, so its
+tokens do not depend on what else is in the batch. Logprobs are of the model's distribution (raw logits,
+before temperature and truncation), as OpenAI's API reports them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingMetadata:
+    """Per-row parameters of one step's sampled rows (S rows)."""
+
+    temperatures: torch.Tensor  # [S] fp32; 0 -> greedy
+    top_ks: torch.Tensor  # [S] int64; 0 -> disabled
+    top_ps: torch.Tensor  # [S] fp32; 1 -> disabled
+    all_greedy: bool
+    any_top_k: bool
+    any_top_p: bool
+    generators: list[torch.Generator | None]  # [S] per-request generator (seeded requests only)
+    num_logprobs: list[int | None]  # [S] None: no logprobs; n: sampled + top-n
+
+    def __post_init__(self) -> None:
+        S = self.temperatures.shape[0]
+        if not (self.top_ks.shape[0] == self.top_ps.shape[0] == len(self.generators) == len(self.num_logprobs) == S):
+            raise ValueError("SamplingMetadata: every per-row field must have the same number of rows")
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[dict[int, float] | None]
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+    """logits: [S, V]; top_ks: [S] (0 = off); top_ps: [S] (1 = off) -> logits with dropped tokens at -inf."""
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # [S, V] ascending
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_ks is not None:
+        k = torch.where(top_ks > 0, top_ks, V).clamp(max=V)
+        kth = sorted_logits.gather(1, (V - k).unsqueeze(1))  # [S, 1] the k-th largest value
+        drop |= sorted_logits < kth
+    if top_ps is not None:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        cum = probs.cumsum(dim=-1)
+        # drop the low tail whose mass is <= 1 - p; the most likely token always stays
+        drop |= cum <= (1.0 - top_ps).unsqueeze(1)
+        drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, default_gen: torch.Generator | None) -> torch.Tensor:
+    temps = torch.where(meta.temperatures > 0, meta.temperatures, 1.0)
+    x = logits / temps.unsqueeze(1)
+    if meta.any_top_k or meta.any_top_p:
+        x = apply_top_k_top_p(x, meta.top_ks if meta.any_top_k else None, meta.top_ps if meta.any_top_p else None)
+    probs = x.softmax(dim=-1)  # [S, V]
+    noise = torch.empty_like(probs).exponential_(generator=default_gen)
+    for row, gen in enumerate(meta.generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata, default_gen: torch.Generator | None = None) -> SamplerOutput:
+    """logits: [S, V] fp32 -> one token per row, plus logprobs where asked (one host transfer)."""
+    greedy = logits.argmax(dim=-1)  # [S]
+    if meta.all_greedy:
+        tokens = greedy
+    else:
+        tokens = torch.where(meta.temperatures == 0, greedy, _sample_random(logits, meta, default_gen))
+    wanted = [n for n in meta.num_logprobs if n is not None]
+    if not wanted:
+        return SamplerOutput(tokens.tolist(), [None] * len(meta.num_logprobs), [None] * len(meta.num_logprobs))
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [S]
+    top_vals, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)  # [S, n]
+    token_ids, chosen, top_vals, top_ids = tokens.tolist(), chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+    out_lp: list[float | None] = []
+    out_top: list[dict[int, float] | None] = []
+    for row, n in enumerate(meta.num_logprobs):
+        out_lp.append(None if n is None else chosen[row])
+        out_top.append(None if n is None else dict(zip(top_ids[row][:n], top_vals[row][:n], strict=True)))
+    return SamplerOutput(token_ids, out_lp, out_top)

@@ -1,0 +1,144 @@
+"""Paged attention and the fused ops: each Triton kernel against its plain-torch reference.
+
+Without a GPU the kernels run in Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1);
+on the H200 the same tests run compiled, in bf16 too.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from loraplane.server.engine.attention import (  # noqa: E402
+    AttentionMetadata,
+    PrefillSpan,
+    paged_attention,
+    paged_decode,
+    paged_decode_ref,
+    write_kv,
+)
+from loraplane.server.engine.fused_ops import apply_rope_, rmsnorm, rope_ref, silu_mul  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def rel_err(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _paged_cache(num_blocks, block_size, heads, dim, dtype):
+    k = torch.randn(num_blocks, block_size, heads, dim, dtype=dtype, device=DEVICE)
+    return k, torch.randn_like(k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "block_size"), [(4, 2, 4), (9, 3, 16), (8, 8, 16)])
+def test_paged_decode_matches_reference(dtype, hq, hkv, block_size):
+    torch.manual_seed(0)
+    D, B = 64, 5
+    k_cache, v_cache = _paged_cache(48, block_size, hkv, D, dtype)
+    seq_lens = torch.tensor([1, 7, 33, 70, 150], dtype=torch.int32, device=DEVICE)[:B]
+    width = -(-int(seq_lens.max()) // block_size)
+    blocks = list(range(48))
+    random.Random(0).shuffle(blocks)
+    tables = torch.tensor([blocks[:width] for _ in range(B)], dtype=torch.int32, device=DEVICE)
+    tables = tables.roll(shifts=1, dims=1)  # different sequences, different block orders
+    q = torch.randn(B, hq, D, dtype=dtype, device=DEVICE)
+    ours = paged_decode(q, k_cache, v_cache, tables, seq_lens, D**-0.5)
+    ref = paged_decode_ref(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, D**-0.5)
+    assert rel_err(ours, ref) < TOL[dtype]
+
+
+def test_paged_decode_empty_rows_write_zeros():
+    k_cache, v_cache = _paged_cache(4, 16, 2, 64, torch.float32)
+    q = torch.randn(2, 4, 64, device=DEVICE)
+    out = paged_decode(q, k_cache, v_cache, torch.zeros(2, 1, dtype=torch.int32, device=DEVICE),
+                       torch.tensor([0, 3], dtype=torch.int32, device=DEVICE), 0.125)  # fmt: skip
+    assert torch.all(out[0] == 0) and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_write_kv_scatters_by_slot_and_skips_padding(use_triton):
+    k_cache, v_cache = torch.zeros(2, 6, 4, 2, 8, device=DEVICE)
+    k, v = torch.randn(3, 2, 8, device=DEVICE), torch.randn(3, 2, 8, device=DEVICE)
+    slots = torch.tensor([5, 17, 2], device=DEVICE)
+    write_kv(k, v, k_cache, v_cache, slots, triton_=use_triton)
+    flat_k, flat_v = k_cache.view(-1, 2, 8), v_cache.view(-1, 2, 8)
+    assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
+    assert (flat_k != 0).sum() == (k != 0).sum()
+    if use_triton:  # -1 marks a CUDA-graph padding row: nothing written
+        write_kv(k, v, k_cache, v_cache, torch.tensor([-1, -1, -1], device=DEVICE), triton_=True)
+        assert (flat_k != 0).sum() == (k != 0).sum()
+
+
+def test_paged_attention_mixed_prefill_and_decode_rows():
+    """A fresh prefill span, a continued span (context gathered from the cache) and decode-kernel rows."""
+    torch.manual_seed(1)
+    hq, hkv, D, bs = 4, 2, 32, 4
+    k_cache, v_cache = torch.zeros(2, 32, bs, hkv, D, device=DEVICE)
+    # history: sequence A has 6 cached tokens in blocks [3, 9]; B has 5 in [7, 1]
+    hist = {"A": ([3, 9], 6), "B": ([7, 1], 5)}
+    ks = {n: torch.randn(L + 4, hkv, D, device=DEVICE) for n, (_, L) in hist.items()}
+    vs = {n: torch.randn(L + 4, hkv, D, device=DEVICE) for n, (_, L) in hist.items()}
+
+    def slots(table, positions):
+        return [table[p // bs] * bs + p % bs for p in positions]
+
+    for n, (table, L) in hist.items():
+        write_kv(ks[n][:L], vs[n][:L], k_cache, v_cache, torch.tensor(slots(table, range(L)), device=DEVICE))
+    # step rows: fresh span (3 tokens) | A continues with 2 tokens | B decodes 1 token
+    fresh_k, fresh_v = torch.randn(3, hkv, D, device=DEVICE), torch.randn(3, hkv, D, device=DEVICE)
+    k = torch.cat([fresh_k, ks["A"][6:8], ks["B"][5:6]])
+    v = torch.cat([fresh_v, vs["A"][6:8], vs["B"][5:6]])
+    q = torch.randn(6, hq, D, device=DEVICE)
+    step_slots = slots([20], range(3)) + slots([3, 9], [6, 7]) + slots([7, 1], [5])
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(step_slots, device=DEVICE),
+        prefill=[PrefillSpan(0, 3, 3, -1), PrefillSpan(3, 2, 8, 0)],
+        gather_slots=torch.tensor(slots([3, 9], range(8)), device=DEVICE),
+        decode_rows=torch.tensor([5], device=DEVICE),
+        block_tables=torch.tensor([[7, 1]], dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.tensor([6], dtype=torch.int32, device=DEVICE),
+    )
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, D**-0.5)
+
+    def causal_ref(qs, kk, vv):  # queries at the last len(qs) positions of kk
+        g = hq // hkv
+        kk, vv = kk.repeat_interleave(g, 1), vv.repeat_interleave(g, 1)
+        scores = torch.einsum("qhd,khd->hqk", qs, kk) * D**-0.5
+        n, L = qs.shape[0], kk.shape[0]
+        mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
+        return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask.to(DEVICE), float("-inf")).softmax(-1), vv)
+
+    ref = torch.cat([causal_ref(q[:3], fresh_k, fresh_v), causal_ref(q[3:5], ks["A"][:8], vs["A"][:8]),
+                     causal_ref(q[5:], ks["B"][:6], vs["B"][:6])])  # fmt: skip
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_rmsnorm_with_residual_matches_reference(dtype):
+    x = torch.randn(5, 96, dtype=dtype, device=DEVICE)
+    res = torch.randn(5, 96, dtype=dtype, device=DEVICE)
+    w = torch.randn(96, dtype=dtype, device=DEVICE)
+    ref_out, ref_res = rmsnorm(x, w, 1e-5, res.clone(), triton_=False)
+    out, new_res = rmsnorm(x, w, 1e-5, res.clone(), triton_=True)
+    assert rel_err(new_res, ref_res) < TOL[dtype] and rel_err(out, ref_out) < TOL[dtype]
+    plain, _ = rmsnorm(x, w, 1e-5, triton_=True)
+    assert rel_err(plain, rmsnorm(x, w, 1e-5, triton_=False)[0]) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_silu_mul_and_rope_match_reference(dtype):
+    g, u = torch.randn(3, 1500, dtype=dtype, device=DEVICE), torch.randn(3, 1500, dtype=dtype, device=DEVICE)
+    assert rel_err(silu_mul(g, u, triton_=True), silu_mul(g, u, triton_=False)) < TOL[dtype]
+    freqs = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, 16, 2.0) / 16)).to(DEVICE)
+    x = torch.randn(4, 3, 16, dtype=dtype, device=DEVICE)
+    pos = torch.tensor([0, 5, 63, 2], device=DEVICE)
+    ref = rope_ref(x, pos, freqs.cos(), freqs.sin())
+    assert rel_err(apply_rope_(x.clone(), pos, freqs.cos(), freqs.sin(), triton_=True), ref) < TOL[dtype]

@@ -1,0 +1,119 @@
+"""LoRAPool (paging, byte budget, no fragmentation) and LoRABatchMeta (segments, tiles, buffers)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, PoolFullError, lora_scale
+
+SPEC = {"qkv": ModuleSpec(32, (32, 16, 16)), "down": ModuleSpec(48, (32,))}
+
+
+def _pool(pages: int, **kw) -> LoRAPool:
+    probe = LoRAPool(SPEC, 2, 1 << 30, dtype=torch.float16, max_adapters=1)
+    return LoRAPool(SPEC, 2, pages * probe.page_bytes + probe.page_bytes // 2, dtype=torch.float16, **kw)
+
+
+def test_budget_sets_pages_and_bytes_follow_rank():
+    pool = _pool(10)
+    # one rank-row: qkv 3*32 + 64, down 48 + 32 elements; 2 layers; fp16; 8 rows a page
+    assert pool.page_bytes == 8 * 2 * 2 * (3 * 32 + 64 + 48 + 32)
+    assert pool.num_pages == 10 and pool.capacity_bytes == 10 * pool.page_bytes
+    assert pool.bytes_for_rank(8) * 16 == pool.bytes_for_rank(128)
+    assert pool.pages_for_rank(12) == 2
+    with pytest.raises(ValueError, match="budget_bytes"):
+        LoRAPool(SPEC, 2, 100)
+
+
+def test_allocate_free_and_full():
+    pool = _pool(10)
+    a = pool.allocate(64, 0.5)  # 8 pages
+    assert pool.free_pages == 2 and pool.rank_of(a) == 64 and int(pool.ranks[a]) == 64
+    with pytest.raises(PoolFullError, match="needs 3 pages"):
+        pool.allocate(24, 1.0)
+    b = pool.allocate(16, 1.0)
+    assert pool.free_pages == 0 and not pool.can_allocate(8)
+    pool.free(a)
+    assert pool.free_pages == 8 and int(pool.ranks[a]) == 0
+    with pytest.raises(KeyError, match="not allocated"):
+        pool.free(a)
+    assert pool.rank_of(b) == 16
+
+
+def test_no_fragmentation_after_interleaved_frees():
+    """Free every other rank-8 adapter: a rank-32 adapter fits in the scattered holes."""
+    pool = _pool(8)
+    slots = [pool.allocate(8, 1.0) for _ in range(8)]
+    for s in slots[::2]:
+        pool.free(s)
+    big = pool.allocate(32, 1.0)
+    pages = pool.pages_of(big)
+    assert len(pages) == 4 and sorted(pages) != list(range(min(pages), min(pages) + 4))
+    table = pool.page_table[big, :4].tolist()
+    assert table == pages
+
+
+def test_write_places_rows_and_zeroes_unwritten_rank():
+    pool = _pool(6)
+    stale = pool.allocate(16, 1.0)
+    for s in range(3):
+        pool.write(stale, 1, "qkv", s, torch.randn(16, 32), torch.randn(SPEC["qkv"].out_dims[s], 16))
+    pool.free(stale)
+    slot = pool.allocate(24, lora_scale(16, 24, use_rslora=True))
+    assert pool.scale_of(slot) == pytest.approx(16 / 24**0.5)
+    a, b = torch.randn(20, 32), torch.randn(16, 20)  # rank_pattern: this module uses 20 of 24 rows
+    pool.write(slot, 1, "qkv", 2, a, b)
+    rows = pool.rows_of(slot)
+    torch.testing.assert_close(pool.a[(1, "qkv")][2, rows[:20]].float(), a.half().float())
+    torch.testing.assert_close(pool.bt[(1, "qkv")][rows[:20], 48:64].float(), b.t().half().float())
+    assert (pool.bt[(1, "qkv")][rows] [:, :48] == 0).all(), "stale rows of a reused page must read as zero"
+    assert (pool.bt[(1, "qkv")][rows[20:]] == 0).all()
+    with pytest.raises(ValueError, match="b must be"):
+        pool.write(slot, 1, "qkv", 0, a, b)
+    with pytest.raises(ValueError, match="slice_idx"):
+        pool.write(slot, 1, "qkv", 3, a, b)
+    with pytest.raises(ValueError, match="rank must be"):
+        pool.allocate(129, 1.0)
+
+
+def test_module_spec_validates():
+    with pytest.raises(ValueError, match="out_dims"):
+        ModuleSpec(32, (24,))
+    with pytest.raises(ValueError, match="in_dim"):
+        ModuleSpec(0, (32,))
+    assert ModuleSpec(8, (32, 16, 16)).out_starts == (0, 32, 48, 64)
+
+
+def test_meta_groups_tiles_and_skips_base_rows():
+    ranks = [0, 8, 0, 64, 16]
+    reqs = [(3, 2), (-1, 3), (1, 1), (3, 20), (4, 0), (-1, 1), (1, 2)]
+    meta = LoRABatchMeta(40, tile_m=16).build(reqs, ranks)
+    slots = meta.token_slot.tolist()
+    assert slots[:29] == [3, 3, -1, -1, -1, 1] + [3] * 20 + [-1, 1, 1] and set(slots[29:]) == {-1}
+    assert meta.num_tokens == 29 and meta.host_max_rank == 64
+    n = int(meta.num_tiles)
+    tiles = meta.tiles[:n].tolist()
+    assert tiles == [[1, 0, 3], [3, 3, 16], [3, 19, 6]]
+    order = meta.token_order[:25].tolist()
+    assert order[:3] == [5, 27, 28] and sorted(order[3:]) == [0, 1] + list(range(6, 26))
+    covered = [order[t] for s, st, c in tiles for t in range(st, st + c)]
+    assert sorted(covered) == sorted(i for i, s in enumerate(slots) if s >= 0)
+    assert [(s, idx.tolist()) for s, idx in meta.groups][0] == (1, [5, 27, 28])
+
+
+def test_meta_rebuild_reuses_buffers_and_validates():
+    meta = LoRABatchMeta(8, capture=True)
+    ptr = meta.tiles.data_ptr()
+    meta.build([(0, 8)], [16])
+    assert int(meta.num_tiles) == 1
+    meta.build([(-1, 4)], [16])
+    assert int(meta.num_tiles) == 0 and meta.tiles.data_ptr() == ptr and meta.groups == []
+    with pytest.raises(ValueError, match="capacity"):
+        meta.build([(0, 9)], [16])
+    with pytest.raises(ValueError, match=r"requests\[1\].slot"):
+        meta.build([(0, 1), (1, 1)], [16, 0])
+    with pytest.raises(ValueError, match="num_tokens"):
+        meta.build([(0, -1)], [16])
+    with pytest.raises(ValueError, match="tile_m"):
+        LoRABatchMeta(8, tile_m=24)
