@@ -21,6 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from .pool import resolve_device
+
 __all__ = ["LoRABatchMeta"]
 
 
@@ -58,7 +60,7 @@ class LoRABatchMeta:
         if tile_m not in (16, 32, 64, 128):
             raise ValueError(f"tile_m must be one of 16, 32, 64, 128, got {tile_m!r}")
         self.capacity, self.tile_m, self.capture = capacity, tile_m, capture
-        self.device = torch.device(device)
+        self.device = resolve_device(device)
         n = self._buf_len()
         self._buf = torch.zeros(n, dtype=torch.int32, device=self.device)
         self.token_slot, self.token_order, self.tiles, self.num_tiles = self._views(self._buf)
@@ -94,14 +96,17 @@ class LoRABatchMeta:
         grouped = token_slot[order]
         bounds = np.flatnonzero(np.diff(grouped)) + 1 if order.size else np.zeros(0, np.int64)
         starts = np.concatenate([[0], bounds]).astype(np.int64) if order.size else np.zeros(0, np.int64)
-        ends = np.concatenate([bounds, [order.size]]).astype(np.int64) if order.size else np.zeros(0, np.int64)
+        ends = (
+            np.concatenate([bounds, [order.size]]).astype(np.int64) if order.size else np.zeros(0, np.int64)
+        )
         tiles = [
             (int(grouped[s]), t0, min(self.tile_m, int(e) - t0))
             for s, e in zip(starts, ends, strict=True)
             for t0 in range(int(s), int(e), self.tile_m)
         ]
         self.groups = [
-            (int(grouped[s]), torch.from_numpy(order[s:e].astype(np.int64))) for s, e in zip(starts, ends, strict=True)
+            (int(grouped[s]), torch.from_numpy(order[s:e].astype(np.int64)))
+            for s, e in zip(starts, ends, strict=True)
         ]
         self.num_tokens, self.host_num_tiles = total, len(tiles)
         self.host_max_rank = max((int(ranks[g[0]]) for g in self.groups), default=0)
@@ -118,6 +123,7 @@ class LoRABatchMeta:
         slot_v.fill_(-1)
         slot_v[: token_slot.size] = torch.from_numpy(token_slot)
         order_v[: order.size] = torch.from_numpy(order)
+        tiles_v.zero_()  # count 0 marks the unused tiles the kernels skip
         tiles_v[: tiles.shape[0]] = torch.from_numpy(tiles)
         num_v[0] = tiles.shape[0]
         if self.device.type == "cuda":

@@ -17,7 +17,9 @@ from .reference import expand_torch, shrink_torch
 __all__ = ["lora_apply", "lora_expand", "lora_shrink"]
 
 
-def lora_shrink(x: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta: LoRABatchMeta, *, backend="auto"):
+def lora_shrink(
+    x: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta: LoRABatchMeta, *, backend="auto"
+):
     """Semantics: v[s, t, :r] = x[t] @ A_{a(t), s}^T for every token with an adapter (see shrink_torch).
 
     x: [T, in_dim]. Returns v: torch path [S, T, max_rank]; Triton path [split_k, S, T, max_rank]
@@ -27,12 +29,14 @@ def lora_shrink(x: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta: 
     if _use_triton(x, backend):
         from .triton_ops import pick_config, shrink_triton
 
-        cfg = pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
+        cfg = dataclasses.replace(pick_config(meta, spec.in_dim, spec.out_dims, x.dtype), fused=False)
         return shrink_triton(x, a, pool.page_table, pool.ranks, meta, pool.page_rank, pool.max_rank, cfg)
     return shrink_torch(x, a, pool.page_table, pool.host_ranks(), meta, pool.page_rank, pool.max_rank)
 
 
-def lora_expand(y: torch.Tensor, v: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta, *, backend="auto"):
+def lora_expand(
+    y: torch.Tensor, v: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta, *, backend="auto"
+):
     """Semantics: y[t, c] += scale(a(t)) * v[s(c), t, :r] @ B_{a(t), s(c)}^T[:, c]. In place; returns y.
 
     y: [T, sum(out_dims)]; v from ``lora_shrink`` with the same backend.
@@ -43,12 +47,21 @@ def lora_expand(y: torch.Tensor, v: torch.Tensor, pool: LoRAPool, layer: int, mo
         from .triton_ops import expand_triton, pick_config
 
         cfg = pick_config(meta, spec.in_dim, spec.out_dims, y.dtype)
-        if cfg.split_k != v.shape[0]:
-            cfg = dataclasses.replace(cfg, split_k=v.shape[0])
+        cfg = dataclasses.replace(cfg, split_k=v.shape[0], fused=False)
         starts = pool.out_starts_tensor(module)
-        return expand_triton(y, v, bt, pool.page_table, pool.ranks, pool.scales, starts, meta, pool.page_rank, cfg)
+        return expand_triton(
+            y, v, bt, pool.page_table, pool.ranks, pool.scales, starts, meta, pool.page_rank, cfg
+        )
     return expand_torch(
-        y, v, bt, pool.page_table, pool.host_ranks(), pool.host_scales(), meta, pool.page_rank, spec.out_starts
+        y,
+        v,
+        bt,
+        pool.page_table,
+        pool.host_ranks(),
+        pool.host_scales(),
+        meta,
+        pool.page_rank,
+        spec.out_starts,
     )
 
 
@@ -76,15 +89,18 @@ def lora_apply(
     if y.dtype != pool.dtype:
         raise ValueError(f"y.dtype {y.dtype} differs from the pool's {pool.dtype}")
     if _use_triton(x, backend):
-        from .triton_ops import expand_triton, pick_config, shrink_triton
+        from .triton_ops import lora_apply_triton, pick_config
 
         cfg = config or pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
-        v = shrink_triton(x, a, pool.page_table, pool.ranks, meta, pool.page_rank, pool.max_rank, cfg)
-        starts = pool.out_starts_tensor(module)
-        return expand_triton(y, v, bt, pool.page_table, pool.ranks, pool.scales, starts, meta, pool.page_rank, cfg)
+        tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
+        return lora_apply_triton(
+            y, x, a, bt, tables, spec.out_dims, pool.out_starts_tensor(module), meta, cfg
+        )
     ranks = pool.host_ranks()
     v = shrink_torch(x, a, pool.page_table, ranks, meta, pool.page_rank, pool.max_rank)
-    return expand_torch(y, v, bt, pool.page_table, ranks, pool.host_scales(), meta, pool.page_rank, spec.out_starts)
+    return expand_torch(
+        y, v, bt, pool.page_table, ranks, pool.host_scales(), meta, pool.page_rank, spec.out_starts
+    )
 
 
 def _use_triton(t: torch.Tensor, backend: str) -> bool:

@@ -30,6 +30,14 @@ def lora_scale(alpha: float, rank: int, use_rslora: bool = False) -> float:
     return float(alpha) / (math.sqrt(rank) if use_rslora else rank)
 
 
+def resolve_device(device: torch.device | str) -> torch.device:
+    """``cuda`` -> ``cuda:<current>``, so device comparisons with tensors' devices hold."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 class PoolFullError(RuntimeError):
     """No free adapter slot or not enough free pages for the requested rank."""
 
@@ -109,9 +117,8 @@ class LoRAPool:
         self.max_rank = max_rank
         self.max_pages = max_rank // page_rank
         self.dtype = dtype
-        self.device = torch.device(device)
-        elem = torch.empty((), dtype=dtype).element_size()
-        self.page_bytes = page_rank * num_layers * elem * sum(s.row_elems() for s in modules.values())
+        self.device = resolve_device(device)
+        self.page_bytes = self.page_bytes_for(modules, num_layers, page_rank, dtype)
         self.num_pages = int(budget_bytes) // self.page_bytes
         if self.num_pages < 1:
             raise ValueError(
@@ -128,9 +135,13 @@ class LoRAPool:
             for name, spec in modules.items()
         }
         self.bt = {
-            (l, name): torch.zeros(rows, spec.out_total, **kw) for l in range(num_layers) for name, spec in modules.items()
+            (l, name): torch.zeros(rows, spec.out_total, **kw)
+            for l in range(num_layers)
+            for name, spec in modules.items()
         }
-        self.page_table = torch.zeros(self.max_adapters, self.max_pages, dtype=torch.int32, device=self.device)
+        self.page_table = torch.zeros(
+            self.max_adapters, self.max_pages, dtype=torch.int32, device=self.device
+        )
         self.ranks = torch.zeros(self.max_adapters, dtype=torch.int32, device=self.device)
         self.scales = torch.zeros(self.max_adapters, dtype=torch.float32, device=self.device)
         # Lowest page / slot first: keeps tests deterministic; any order would be correct.
@@ -140,6 +151,14 @@ class LoRAPool:
         self._rank: dict[int, int] = {}
         self._scale: dict[int, float] = {}
         self._starts: dict[str, torch.Tensor] = {}
+
+    @staticmethod
+    def page_bytes_for(
+        modules: dict[str, ModuleSpec], num_layers: int, page_rank: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one page costs across every (layer, module): size a budget without building a pool."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return page_rank * num_layers * elem * sum(s.row_elems() for s in modules.values())
 
     # -- accounting -------------------------------------------------------------------------------------
     @property
@@ -188,7 +207,9 @@ class LoRAPool:
     def out_starts_tensor(self, module: str) -> torch.Tensor:
         """``ModuleSpec.out_starts`` as an int32 tensor on the pool's device (made once)."""
         if module not in self._starts:
-            self._starts[module] = torch.tensor(self.modules[module].out_starts, dtype=torch.int32, device=self.device)
+            self._starts[module] = torch.tensor(
+                self.modules[module].out_starts, dtype=torch.int32, device=self.device
+            )
         return self._starts[module]
 
     def rows_of(self, slot: int) -> torch.Tensor:

@@ -2,14 +2,15 @@
 
 Two launches per projection, no zero-fill: shrink writes every v entry that expand reads (split-K
 partials go to separate planes, summed by expand, so no atomics), and expand adds into y.
-Both grids are sized to useful work: dim 0 strides over the step's tiles (``meta.num_tiles``, read on
-the device), never over pool slots, so idle resident adapters cost nothing and rows without an adapter
+Both grids are sized to useful work: dim 0 strides over the step's tiles (up to the capacity under a
+CUDA graph; tiles past the step's last have count 0 and are skipped), never over pool slots, so idle resident adapters cost nothing and rows without an adapter
 are in no tile. Every rank loop runs to the tile's own rank, in chunks of BLOCK_R rows gathered through
 the page table, so a rank-8 adapter moves an eighth of a rank-64 one.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +19,7 @@ import triton.language as tl
 
 from .metadata import LoRABatchMeta
 
-__all__ = ["LaunchConfig", "expand_triton", "pick_config", "shrink_triton"]
+__all__ = ["LaunchConfig", "expand_triton", "lora_apply_triton", "pick_config", "shrink_triton"]
 
 
 @triton.jit
@@ -29,154 +30,191 @@ def _rows(page_table_ptr, slot, j, mask, PAGE: tl.constexpr, MAX_PAGES: tl.const
 
 
 @triton.jit
-def _shrink_kernel(
-    x_ptr,
-    stride_xt,
-    a_ptr,
-    stride_as,
-    stride_ar,
-    v_ptr,
-    stride_vk,
-    stride_vs,
-    stride_vt,
-    tiles_ptr,
-    num_tiles_ptr,
-    order_ptr,
-    page_table_ptr,
-    ranks_ptr,
-    K,
-    NUM_SLICES: tl.constexpr,
-    SLICES_P2: tl.constexpr,
-    PAGE: tl.constexpr,
-    MAX_PAGES: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr,
+def _shrink_tile(
+    x_rows, a_ptr, stride_as, stride_ar, v_rows, stride_vs, m_mask, slot, rank, page_table_ptr, k_begin, K,
+    NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
     PRECISION: tl.constexpr,
-):
-    # program (g, k): tiles g, g+G, ...; K range [k*K_PER_SPLIT, (k+1)*K_PER_SPLIT) -> v plane k.
-    pid_g = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    num_g = tl.num_programs(0)
-    num_tiles = tl.load(num_tiles_ptr)
-    offs_m = tl.arange(0, BLOCK_M)
+):  # fmt: skip
     # All slices' rank-rows side by side: column j is slice j // BLOCK_R, rank-row r0 + j % BLOCK_R.
     offs_j = tl.arange(0, SLICES_P2 * BLOCK_R)
     j_slice = offs_j // BLOCK_R
     j_rank = offs_j % BLOCK_R
     offs_k = tl.arange(0, BLOCK_K)
-    k_begin = pid_k * K_PER_SPLIT
-    for tile in range(pid_g, num_tiles, num_g):
-        slot = tl.load(tiles_ptr + tile * 3)
-        start = tl.load(tiles_ptr + tile * 3 + 1)
-        count = tl.load(tiles_ptr + tile * 3 + 2)
-        rank = tl.load(ranks_ptr + slot)
-        m_mask = offs_m < count
-        tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-        x_rows = x_ptr + tok * stride_xt  # [BM]
-        for r0 in range(0, rank, BLOCK_R):
-            rr = r0 + j_rank
-            j_mask = (j_slice < NUM_SLICES) & (rr < rank)
-            phys = _rows(page_table_ptr, slot, rr, j_mask, PAGE, MAX_PAGES)
-            a_rows = a_ptr + j_slice.to(tl.int64) * stride_as + phys * stride_ar  # [J]
-            acc = tl.zeros((BLOCK_M, SLICES_P2 * BLOCK_R), dtype=tl.float32)
-            for k0 in range(0, K_PER_SPLIT, BLOCK_K):
-                kk = k_begin + k0 + offs_k
-                k_mask = kk < K
-                xt = tl.load(x_rows[:, None] + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-                at = tl.load(a_rows[:, None] + kk[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
-                acc += tl.dot(xt, tl.trans(at), input_precision=PRECISION)
-            v_ptrs = v_ptr + pid_k * stride_vk + j_slice[None, :] * stride_vs + tok[:, None] * stride_vt + rr[None, :]
-            tl.store(v_ptrs, acc, mask=m_mask[:, None] & j_mask[None, :])
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + j_rank
+        j_mask = (j_slice < NUM_SLICES) & (rr < rank)
+        phys = _rows(page_table_ptr, slot, rr, j_mask, PAGE, MAX_PAGES)
+        a_rows = a_ptr + j_slice.to(tl.int64) * stride_as + phys * stride_ar  # [J]
+        acc = tl.zeros((BLOCK_M, SLICES_P2 * BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+            kk = k_begin + k0 + offs_k
+            k_mask = kk < K
+            xt = tl.load(x_rows[:, None] + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            at = tl.load(a_rows[:, None] + kk[None, :], mask=j_mask[:, None] & k_mask[None, :], other=0.0)
+            acc += tl.dot(xt, tl.trans(at), input_precision=PRECISION)
+        v_ptrs = v_rows[:, None] + j_slice[None, :] * stride_vs + rr[None, :]
+        tl.store(v_ptrs, acc, mask=m_mask[:, None] & j_mask[None, :])
 
 
 @triton.jit
-def _expand_kernel(
-    v_ptr,
-    stride_vk,
-    stride_vs,
-    stride_vt,
-    bt_ptr,
-    stride_br,
-    y_ptr,
-    stride_yt,
-    tiles_ptr,
-    num_tiles_ptr,
-    order_ptr,
-    page_table_ptr,
-    ranks_ptr,
-    scales_ptr,
-    starts_ptr,
-    N,
-    NUM_SLICES: tl.constexpr,
-    SPLIT: tl.constexpr,
-    PAGE: tl.constexpr,
-    MAX_PAGES: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-):
-    # program (g, n): tiles g, g+G, ...; columns [n*BLOCK_N, (n+1)*BLOCK_N), all inside one slice.
+def _shrink_kernel(
+    x_ptr, stride_xt, a_ptr, stride_as, stride_ar, v_ptr, stride_vk, stride_vs, stride_vt,
+    tiles_ptr, tile_bound, order_ptr, page_table_ptr, ranks_ptr, K,
+    NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, SMALL_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # program (g, k): tiles g, g+G, ...; K range [k*K_PER_SPLIT, (k+1)*K_PER_SPLIT) -> v plane k.
+    # Tiles of rank <= SMALL_R take a narrow copy of the loop: work follows each tile's own rank.
     pid_g = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(1)
     num_g = tl.num_programs(0)
-    num_tiles = tl.load(num_tiles_ptr)
-    n0 = pid_n * BLOCK_N
-    sl = 0
-    for i in tl.static_range(1, NUM_SLICES):
-        sl += (n0 >= tl.load(starts_ptr + i)).to(tl.int32)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
     offs_m = tl.arange(0, BLOCK_M)
-    offs_r = tl.arange(0, BLOCK_R)
-    for tile in range(pid_g, num_tiles, num_g):
+    k_begin = pid_k * K_PER_SPLIT
+    for tile in range(pid_g, tile_bound, num_g):
         slot = tl.load(tiles_ptr + tile * 3)
         start = tl.load(tiles_ptr + tile * 3 + 1)
         count = tl.load(tiles_ptr + tile * 3 + 2)
-        rank = tl.load(ranks_ptr + slot)
-        scale = tl.load(scales_ptr + slot)
-        m_mask = offs_m < count
-        tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-        v_rows = v_ptr + sl * stride_vs + tok * stride_vt  # [BM]
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            rr = r0 + offs_r
-            r_mask = rr < rank
+        if count > 0:  # tiles past the step's last are zeroed by the builder
+            rank = tl.load(ranks_ptr + slot)
+            m_mask = offs_m < count
+            tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+            x_rows = x_ptr + tok * stride_xt  # [BM]
+            v_rows = v_ptr + pid_k * stride_vk + tok * stride_vt  # [BM]
+            if rank <= SMALL_R:
+                _shrink_tile(
+                    x_rows, a_ptr, stride_as, stride_ar, v_rows, stride_vs, m_mask, slot, rank, page_table_ptr,
+                    k_begin, K, NUM_SLICES, SLICES_P2, PAGE, MAX_PAGES, BLOCK_M, SMALL_R, BLOCK_K, K_PER_SPLIT,
+                    PRECISION,
+                )  # fmt: skip
+            else:
+                _shrink_tile(
+                    x_rows, a_ptr, stride_as, stride_ar, v_rows, stride_vs, m_mask, slot, rank, page_table_ptr,
+                    k_begin, K, NUM_SLICES, SLICES_P2, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R, BLOCK_K, K_PER_SPLIT,
+                    PRECISION,
+                )  # fmt: skip
+
+
+@triton.jit
+def _expand_tile(
+    v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask, slot, rank, scale,
+    page_table_ptr, c0,
+    SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
+    FUSED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + offs_r
+        r_mask = rr < rank
+        phys = _rows(page_table_ptr, slot, rr, r_mask, PAGE, MAX_PAGES)
+        if FUSED:
+            a_rows = a_rows_base + phys * stride_ar
+            vs = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                kk = k0 + offs_k
+                k_mask = kk < K
+                xt = tl.load(x_rows[:, None] + kk[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+                at = tl.load(a_rows[:, None] + kk[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+                vs += tl.dot(xt, tl.trans(at), input_precision=PRECISION)
+        else:
             vmask = m_mask[:, None] & r_mask[None, :]
             vs = tl.load(v_rows[:, None] + rr[None, :], mask=vmask, other=0.0)
             for k in tl.static_range(1, SPLIT):
                 vs += tl.load(v_rows[:, None] + k * stride_vk + rr[None, :], mask=vmask, other=0.0)
-            phys = _rows(page_table_ptr, slot, rr, r_mask, PAGE, MAX_PAGES)
-            bt = tl.load(bt_ptr + phys[:, None] * stride_br + offs_n[None, :], mask=r_mask[:, None] & n_mask[None, :])
-            acc += tl.dot(vs.to(bt.dtype), bt, input_precision=PRECISION)
-        y_ptrs = y_ptr + tok[:, None] * stride_yt + offs_n[None, :]
-        y_mask = m_mask[:, None] & n_mask[None, :]
-        yt = tl.load(y_ptrs, mask=y_mask)
-        tl.store(y_ptrs, (yt.to(tl.float32) + scale * acc).to(yt.dtype), mask=y_mask)
+        # The scale rides on v: one multiply per (token, rank) instead of per output.
+        vs = (vs * scale).to(bt_ptr.dtype.element_ty)
+        b_rows = bt_ptr + phys * stride_br  # [BR]
+        for n0 in range(c0, c0 + N_CHUNK, BLOCK_N):
+            nn = n0 + offs_n
+            bt = tl.load(b_rows[:, None] + nn[None, :], mask=r_mask[:, None], other=0.0)
+            y_ptrs = y_rows[:, None] + nn[None, :]
+            yt = tl.load(y_ptrs, mask=m_mask[:, None])
+            acc = tl.dot(vs, bt, acc=yt.to(tl.float32), input_precision=PRECISION)
+            tl.store(y_ptrs, acc.to(yt.dtype), mask=m_mask[:, None])
+
+
+@triton.jit
+def _expand_kernel(
+    v_ptr, stride_vk, stride_vs, stride_vt, x_ptr, stride_xt, a_ptr, stride_as, stride_ar, K,
+    bt_ptr, stride_br, y_ptr, stride_yt, tiles_ptr, tile_bound, order_ptr, page_table_ptr, ranks_ptr,
+    scales_ptr, starts_ptr,
+    NUM_SLICES: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, SMALL_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    N_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    # program (g, c): tiles g, g+G, ...; columns [c*N_CHUNK, (c+1)*N_CHUNK), inside one slice. v is loaded
+    # (or, FUSED, computed from x and A: no shrink launch) once per tile and rank chunk, then the column
+    # loop streams B^T and y, pipelined by the compiler. Tiles of rank <= SMALL_R use narrow tiles.
+    pid_g = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    num_g = tl.num_programs(0)
+    c0 = pid_c * N_CHUNK
+    sl = 0
+    for i in tl.static_range(1, NUM_SLICES):
+        sl += (c0 >= tl.load(starts_ptr + i)).to(tl.int32)
+    offs_m = tl.arange(0, BLOCK_M)
+    for tile in range(pid_g, tile_bound, num_g):
+        slot = tl.load(tiles_ptr + tile * 3)
+        start = tl.load(tiles_ptr + tile * 3 + 1)
+        count = tl.load(tiles_ptr + tile * 3 + 2)
+        if count > 0:  # tiles past the step's last are zeroed by the builder
+            rank = tl.load(ranks_ptr + slot)
+            scale = tl.load(scales_ptr + slot)
+            m_mask = offs_m < count
+            tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+            y_rows = y_ptr + tok * stride_yt  # [BM]
+            v_rows = v_ptr + sl * stride_vs + tok * stride_vt  # [BM]
+            x_rows = x_ptr + tok * stride_xt  # [BM]
+            a_rows_base = a_ptr + sl * stride_as
+            if rank <= SMALL_R:
+                _expand_tile(
+                    v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
+                    slot, rank, scale, page_table_ptr, c0, SPLIT, PAGE, MAX_PAGES, BLOCK_M, SMALL_R, BLOCK_N,
+                    N_CHUNK, BLOCK_K, FUSED, PRECISION,
+                )  # fmt: skip
+            else:
+                _expand_tile(
+                    v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
+                    slot, rank, scale, page_table_ptr, c0, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R, BLOCK_N,
+                    N_CHUNK, BLOCK_K, FUSED, PRECISION,
+                )  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
 class LaunchConfig:
-    """Tile sizes and grid bounds; ``pick_config`` derives one per (meta, module, call)."""
+    """Tile sizes and grid bounds; ``pick_config`` derives one per (meta, module, call).
+
+    ``block_r``: rank rows per chunk in expand (ranks above it loop, re-touching y); ``shrink_block_r``:
+    the same in shrink (all slices side by side). ``n_chunk``: columns one expand program covers; it must
+    divide every slice width. ``fused``: expand computes v itself (no shrink launch; A is re-read once per
+    column chunk, so only for tiny batches).
+    """
 
     block_r: int = 16
+    shrink_block_r: int = 16
     block_k: int = 128
-    block_n: int = 256
+    block_n: int = 128
+    n_chunk: int = 1024
     split_k: int = 1
+    fused: bool = False
     shrink_programs: int = 1024  # upper bound on grid dim 0 x split for shrink
-    expand_programs: int = 2048  # upper bound on grid dim 0 x dim 1 for expand
+    expand_programs: int = 16384  # upper bound on grid dim 0 x dim 1 for expand
     num_warps: int = 4
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_r", "block_k", "block_n", "split_k"):
+        for name in ("block_r", "shrink_block_r", "block_k", "block_n", "n_chunk", "split_k"):
             v = getattr(self, name)
             if v <= 0 or v & (v - 1):
                 raise ValueError(f"LaunchConfig.{name} must be a power of two, got {v}")
-        if self.block_r < 16 or self.block_n < 16 or self.block_k < 16:
+        if min(self.block_r, self.shrink_block_r, self.block_n, self.block_k) < 16:
             raise ValueError("LaunchConfig block sizes must be >= 16 (tl.dot's minimum)")
+        if self.n_chunk < self.block_n:
+            raise ValueError(f"LaunchConfig.n_chunk ({self.n_chunk}) must be >= block_n ({self.block_n})")
 
 
 def _pow2_at_least(n: int, lo: int) -> int:
@@ -186,33 +224,51 @@ def _pow2_at_least(n: int, lo: int) -> int:
     return p
 
 
+@functools.lru_cache(maxsize=8)
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
 
 
-def pick_config(meta: LoRABatchMeta, in_dim: int, out_dims: tuple[int, ...], dtype: torch.dtype) -> LaunchConfig:
-    """Heuristic launch shape. Under ``meta.capture`` it depends on the buffers' capacity only, so a
-    captured graph stays valid for any batch that fits."""
-    device = meta.device
-    sms = _num_sms(device)
+def pick_config(
+    meta: LoRABatchMeta, in_dim: int, out_dims: tuple[int, ...], dtype: torch.dtype
+) -> LaunchConfig:
+    """Heuristic launch shape (tuned on an H200: bench/NOTES-kernels.md). Under ``meta.capture`` it
+    depends on the buffers' capacity only, so a captured graph stays valid for any batch that fits.
+    Every kernel also keeps a 16-row copy of its loops for tiles of rank <= 16."""
+    sms = _num_sms(meta.device)
     tiles_bound = meta.capacity if meta.capture else max(1, meta.host_num_tiles)
-    # Prefill (not captured) takes the whole rank in one chunk: x is then read once per k-step.
-    block_r = 16 if meta.capture else min(128, _pow2_at_least(meta.host_max_rank, 16))
-    if meta.tile_m >= 64 and not meta.capture:
-        block_k = 64 if block_r * len(out_dims) <= 128 else 32
+    slices_p2 = _pow2_at_least(len(out_dims), 1)
+    prefill = meta.tile_m >= 64
+    # Ranks are unknown at capture: 64-row chunks (rank 128 takes two passes).
+    block_r = 64 if meta.capture else min(64, _pow2_at_least(meta.host_max_rank, 16))
+    shrink_block_r = max(16, min(block_r, 256 // slices_p2))
+    block_k = 128 if not prefill else (64 if shrink_block_r * slices_p2 <= 64 else 32)
+    if prefill:
+        split = 2  # run 2 sweep: 10-20% over split 1 at T=8192
     else:
-        block_k = 128
-    # Split K until ~2 programs per SM are busy reading A; partial planes are summed by expand.
-    split = 1
-    while tiles_bound * split * 2 <= 2 * sms and in_dim // (split * 2) >= block_k:
-        split *= 2
+        # Split K so each program reads ~256 (tiny batches) to ~1024 columns of A; planes summed by expand.
+        k_per = 256 if tiles_bound <= 16 else 1024
+        split = 1
+        while split < 16 and in_dim // (split * 2) >= max(k_per, block_k):
+            split *= 2
     gcd = 0
     for w in out_dims:
         gcd = w if gcd == 0 else _gcd(gcd, w)
-    block_n = min(256 if meta.tile_m <= 16 else 128, gcd & -gcd)
-    return LaunchConfig(block_r=block_r, block_k=block_k, block_n=block_n, split_k=split)
+    block_n = min(128 if prefill else 64, gcd & -gcd)
+    # Column chunks: ~2 programs per SM, chunk a power-of-two multiple of block_n dividing every slice,
+    # at most 2048 columns (v is reused over up to 32 column tiles).
+    n_chunk = block_n
+    total = sum(out_dims)
+    while (
+        n_chunk * 2 <= 2048 and gcd % (n_chunk * 2) == 0 and tiles_bound * (total // (n_chunk * 2)) >= 2 * sms
+    ):
+        n_chunk *= 2
+    return LaunchConfig(
+        block_r=block_r, shrink_block_r=shrink_block_r, block_k=block_k, block_n=block_n, n_chunk=n_chunk,
+        split_k=split, fused=False, num_stages=4 if prefill else 3,
+    )  # fmt: skip
 
 
 def _gcd(a: int, b: int) -> int:
@@ -255,9 +311,9 @@ def shrink_triton(
         return v
     _shrink_kernel[(g, cfg.split_k)](
         x, x.stride(0), a, a.stride(0), a.stride(1), v, v.stride(0), v.stride(1), v.stride(2),
-        meta.tiles, meta.num_tiles, meta.token_order, page_table, ranks, k_dim,
+        meta.tiles, bound, meta.token_order, page_table, ranks, k_dim,
         NUM_SLICES=num_slices, SLICES_P2=_pow2_at_least(num_slices, 1), PAGE=page_rank,
-        MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, BLOCK_R=cfg.block_r, BLOCK_K=cfg.block_k,
+        MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.shrink_block_r), BLOCK_R=cfg.shrink_block_r, BLOCK_K=cfg.block_k,
         K_PER_SPLIT=k_per, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return v
@@ -265,7 +321,7 @@ def shrink_triton(
 
 def expand_triton(
     y: torch.Tensor,
-    v: torch.Tensor,
+    v: torch.Tensor | None,
     bt: torch.Tensor,
     page_table: torch.Tensor,
     ranks: torch.Tensor,
@@ -274,24 +330,63 @@ def expand_triton(
     meta: LoRABatchMeta,
     page_rank: int,
     cfg: LaunchConfig,
+    x: torch.Tensor | None = None,
+    a: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Semantics: as ``reference.expand_torch`` with v summed over its split planes. In place.
+    With ``cfg.fused``, v is None and computed in-kernel from ``x`` [T, K] and ``a`` [S, rows, K]
+    (shrink fused: one launch in total).
 
     y: [T, N]; v: [split_k, S, T, R] float32; bt: [rows, N]; out_starts: int32 [S + 1] on y's device.
     """
     n_dim = y.shape[1]
     if y.stride(1) != 1 or bt.stride(1) != 1:
         raise ValueError("y and bt must be contiguous along their last dimension")
-    n_tiles = -(-n_dim // cfg.block_n)
+    if n_dim % cfg.n_chunk:
+        raise ValueError(f"n_chunk {cfg.n_chunk} must divide every slice width (N={n_dim})")
+    if cfg.fused and (x is None or a is None):
+        raise ValueError("a fused expand needs x and a")
     bound = meta.capacity if meta.capture else meta.host_num_tiles
     if not meta.capture and bound == 0:
         return y
-    g = max(1, min(bound, cfg.expand_programs // n_tiles))
-    _expand_kernel[(g, n_tiles)](
-        v, v.stride(0), v.stride(1), v.stride(2), bt, bt.stride(0), y, y.stride(0),
-        meta.tiles, meta.num_tiles, meta.token_order, page_table, ranks, scales, out_starts, n_dim,
-        NUM_SLICES=v.shape[1], SPLIT=v.shape[0], PAGE=page_rank, MAX_PAGES=page_table.shape[1],
-        BLOCK_M=meta.tile_m, BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, PRECISION=_precision(y.dtype),
+    chunks = n_dim // cfg.n_chunk
+    g = max(1, min(bound, cfg.expand_programs // chunks))
+    if cfg.fused:
+        v_args = (y, 0, 0, 0)
+        x_args = (x, x.stride(0), a, a.stride(0), a.stride(1), a.shape[2])
+        num_slices, split = a.shape[0], 1
+    else:
+        v_args = (v, v.stride(0), v.stride(1), v.stride(2))
+        x_args = (y, 0, y, 0, 0, 0)
+        num_slices, split = v.shape[1], v.shape[0]
+    _expand_kernel[(g, chunks)](
+        *v_args, *x_args, bt, bt.stride(0), y, y.stride(0),
+        meta.tiles, bound, meta.token_order, page_table, ranks, scales, out_starts,
+        NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
+        BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.block_r), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, N_CHUNK=cfg.n_chunk,
+        BLOCK_K=cfg.block_k, FUSED=cfg.fused, PRECISION=_precision(y.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
+
+
+def lora_apply_triton(
+    y: torch.Tensor,
+    x: torch.Tensor,
+    a: torch.Tensor,
+    bt: torch.Tensor,
+    pool_tables: tuple,
+    out_dims: tuple[int, ...],
+    out_starts: torch.Tensor,
+    meta: LoRABatchMeta,
+    cfg: LaunchConfig,
+) -> torch.Tensor:
+    """shrink + expand (or the fused expand alone). ``pool_tables`` = (page_table, ranks, scales,
+    page_rank, max_rank)."""
+    if any(w % cfg.n_chunk for w in out_dims):
+        raise ValueError(f"LaunchConfig.n_chunk {cfg.n_chunk} must divide every slice width {out_dims}")
+    page_table, ranks, scales, page_rank, max_rank = pool_tables
+    v = None
+    if not cfg.fused:
+        v = shrink_triton(x, a, page_table, ranks, meta, page_rank, max_rank, cfg)
+    return expand_triton(y, v, bt, page_table, ranks, scales, out_starts, meta, page_rank, cfg, x, a)

@@ -26,6 +26,17 @@ class AdminError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class PodAddress:
+    name: str
+    ip: str
+    port: int  # the container port named "admin"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.ip}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
 class LoadedVersion:
     """One version of one adapter on one pod."""
 
@@ -67,10 +78,9 @@ class LoadRequest:
 
 
 class AdminClient:
-    """One shared httpx client for every pod; a pod is addressed by its IP and the admin port."""
+    """One shared httpx client for every pod; a pod is addressed by its IP and its admin port."""
 
-    def __init__(self, *, port: int, connect_timeout: float = 2.0, read_timeout: float = 30.0):
-        self.port = port
+    def __init__(self, *, connect_timeout: float = 2.0, read_timeout: float = 30.0):
         timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
         limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
         self._http = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
@@ -78,45 +88,48 @@ class AdminClient:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, pod: str, ip: str, token: str, method: str, path: str, **kw) -> httpx.Response:
-        url = f"http://{ip}:{self.port}{path}"
+    async def _call(self, pod: PodAddress, token: str, method: str, path: str, **kw) -> httpx.Response:
+        url = pod.url + path
         headers = {"Authorization": f"Bearer {token}"}
         try:
             response = await self._http.request(method, url, headers=headers, **kw)
         except httpx.TimeoutException as exc:
-            raise AdminError(C.POD_UNREACHABLE, f"{method} {path} timed out ({type(exc).__name__})", pod) from None
+            raise AdminError(
+                C.POD_UNREACHABLE, f"{method} {path} timed out ({type(exc).__name__})", pod.name
+            ) from None
         except httpx.HTTPError as exc:
-            raise AdminError(C.POD_UNREACHABLE, f"{method} {path}: {type(exc).__name__}", pod) from None
+            raise AdminError(C.POD_UNREACHABLE, f"{method} {path}: {type(exc).__name__}", pod.name) from None
         if response.status_code >= 400 and not (method == "DELETE" and response.status_code == 404):
-            raise _error(pod, method, path, response)
+            raise _error(pod.name, method, path, response)
         return response
 
-    async def ready(self, pod: str, ip: str, token: str) -> dict:
+    async def ready(self, pod: PodAddress, token: str) -> dict:
         """GET /health/ready -> {"status": "ready", "base_hash": "<64 hex>"}."""
-        return (await self._call(pod, ip, token, "GET", "/health/ready")).json()
+        return (await self._call(pod, token, "GET", "/health/ready")).json()
 
-    async def list(self, pod: str, ip: str, token: str) -> list[LoadedVersion]:
-        """GET /admin/adapters: every version the pod holds (its truth, rebuilt after a restart)."""
-        body = (await self._call(pod, ip, token, "GET", "/admin/adapters")).json()
+    async def list(self, pod: PodAddress, token: str, name: str | None = None) -> list[LoadedVersion]:
+        """GET /admin/adapters[?name=]: the versions the pod holds (its truth, rebuilt after a restart)."""
+        params = {"name": name} if name else None
+        body = (await self._call(pod, token, "GET", "/admin/adapters", params=params)).json()
         return [LoadedVersion.parse(item) for item in body.get("adapters", [])]
 
-    async def load(self, pod: str, ip: str, token: str, name: str, request: LoadRequest) -> LoadedVersion:
+    async def load(self, pod: PodAddress, token: str, name: str, request: LoadRequest) -> LoadedVersion:
         """PUT /admin/adapters/{name}: pull, verify and warm ``name@version`` (idempotent).
 
         200 when warm, 202 while still pulling or warming (call again later). The alias switches to it
         only if the pod serves no version of ``name`` yet.
         """
-        response = await self._call(pod, ip, token, "PUT", f"/admin/adapters/{name}", json=request.body())
+        response = await self._call(pod, token, "PUT", f"/admin/adapters/{name}", json=request.body())
         return LoadedVersion.parse(response.json())
 
-    async def switch(self, pod: str, ip: str, token: str, name: str, version: str) -> None:
+    async def switch(self, pod: PodAddress, token: str, name: str, version: str) -> None:
         """POST /admin/adapters/{name}/alias: route ``name`` to ``version`` (already warm) atomically."""
-        await self._call(pod, ip, token, "POST", f"/admin/adapters/{name}/alias", json={"version": version})
+        await self._call(pod, token, "POST", f"/admin/adapters/{name}/alias", json={"version": version})
 
-    async def unload(self, pod: str, ip: str, token: str, name: str, version: str | None = None) -> None:
+    async def unload(self, pod: PodAddress, token: str, name: str, version: str | None = None) -> None:
         """DELETE /admin/adapters/{name}[?version=]: unload one version, or all; absent is success."""
         params = {"version": version} if version else None
-        await self._call(pod, ip, token, "DELETE", f"/admin/adapters/{name}", params=params)
+        await self._call(pod, token, "DELETE", f"/admin/adapters/{name}", params=params)
 
 
 def _error(pod: str, method: str, path: str, response: httpx.Response) -> AdminError:
@@ -128,4 +141,6 @@ def _error(pod: str, method: str, path: str, response: httpx.Response) -> AdminE
     message = body.get("message") if isinstance(body, dict) else None
     if not isinstance(reason, str) or not reason.isalnum():
         reason = C.POD_UNREACHABLE if response.status_code in (502, 503, 504) else C.POD_FAILED
-    return AdminError(reason, f"{method} {path} -> HTTP {response.status_code}: {message or response.reason_phrase}", pod)
+    return AdminError(
+        reason, f"{method} {path} -> HTTP {response.status_code}: {message or response.reason_phrase}", pod
+    )

@@ -132,7 +132,10 @@ def _env(spec: BaseSpec) -> list[dict]:
 
 def _volumes(base: dict, spec: BaseSpec) -> tuple[list[dict], list[dict]]:
     if spec.host_cache_type == "hostPath":
-        cache = {"name": "host-cache", "hostPath": {"path": spec.host_cache_path, "type": "DirectoryOrCreate"}}
+        cache = {
+            "name": "host-cache",
+            "hostPath": {"path": spec.host_cache_path, "type": "DirectoryOrCreate"},
+        }
     else:
         cache = {"name": "host-cache", "emptyDir": {"sizeLimit": spec.host_cache_size}}
     token = {"secretName": admin_token_secret_name(base, spec), "defaultMode": 0o400}

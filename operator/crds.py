@@ -14,6 +14,7 @@ import pathlib
 import sys
 
 import yaml
+
 from loraplane.operator import crd_models as M
 from loraplane.operator.crd_schemas import adapter_spec, adapter_status, base_spec, base_status
 from loraplane.operator.openapi import obj, string
@@ -40,7 +41,9 @@ def crd(
             "status": status,
         },
         required=("spec",),
-        rules=((f"self.metadata.name.matches('{M.NAME_PATTERN}')", f"metadata.name must match {M.NAME_PATTERN}"),),
+        rules=(
+            (f"self.metadata.name.matches('{M.NAME_PATTERN}')", f"metadata.name must match {M.NAME_PATTERN}"),
+        ),
     )
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

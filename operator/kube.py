@@ -77,7 +77,9 @@ class Kube:
         self._secret_cache: dict[tuple[str, str], tuple[float, dict[str, str]]] = {}
 
     # --- raw calls ---------------------------------------------------------------------------------
-    def _call(self, method: str, path: str, body=None, query: list | None = None, content_type: str | None = None):
+    def _call(
+        self, method: str, path: str, body=None, query: list | None = None, content_type: str | None = None
+    ):
         headers = {"Accept": "application/json"}
         if content_type or body is not None:
             headers["Content-Type"] = content_type or "application/json"
@@ -162,7 +164,9 @@ class Kube:
     async def patch_status(self, ref: Ref, status: dict) -> dict | None:
         """Merge-patch ``status`` (no resourceVersion: the operator is the only status writer). None if gone."""
         try:
-            return await self.call("PATCH", ref.path("status"), body={"status": status}, content_type=MERGE_PATCH)
+            return await self.call(
+                "PATCH", ref.path("status"), body={"status": status}, content_type=MERGE_PATCH
+            )
         except ApiException as exc:
             if exc.status == 404:
                 return None

@@ -8,6 +8,8 @@ safetensors weights, and signed, pushed adapter versions.
     adapter = build_signed_adapter(tmp_path / "a", name="demo", version="v1", keys=keys, base_dir=base,
                                    rank=4, target_modules=("q_proj", "v_proj"))
     uri = push_adapter(adapter.folder, s3_client, "bucket")    # s3://bucket/demo/v1/
+    # or all at once:
+    published = publish_adapter(tmp_path, s3_client, "bucket", name="demo", version="v2", keys=keys, base_hash=h)
 """
 
 from __future__ import annotations
@@ -64,13 +66,19 @@ def random_tensor_bytes(shape: tuple[int, ...], dtype: str, rng: random.Random, 
         return b"".join(struct.pack("<f", v)[2:] for v in values)
 
 
-def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]], metadata=None) -> Path:
+def write_safetensors(
+    path: Path, tensors: dict[str, tuple[str, tuple[int, ...], bytes]], metadata=None
+) -> Path:
     """tensors: name -> (dtype in float32|float16|bfloat16 or a raw safetensors dtype, shape, raw bytes)."""
     header: dict = {"__metadata__": metadata or {"format": "pt"}}
     offset, blobs = 0, []
     for name in sorted(tensors):
         dtype, shape, data = tensors[name]
-        header[name] = {"dtype": _ST_DTYPE.get(dtype, dtype), "shape": list(shape), "data_offsets": [offset, offset + len(data)]}
+        header[name] = {
+            "dtype": _ST_DTYPE.get(dtype, dtype),
+            "shape": list(shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
         offset += len(data)
         blobs.append(data)
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -83,7 +91,9 @@ def write_safetensors(path: Path, tensors: dict[str, tuple[str, tuple[int, ...],
     return path
 
 
-def make_base_folder(folder: Path, config: dict | None = None, *, dtype: str = "float32", seed: int = 0) -> Path:
+def make_base_folder(
+    folder: Path, config: dict | None = None, *, dtype: str = "float32", seed: int = 0
+) -> Path:
     """config.json + model.safetensors with llama-style tensor names and random weights."""
     config = dict(config or TINY_BASE_CONFIG)
     folder = Path(folder)
@@ -94,7 +104,10 @@ def make_base_folder(folder: Path, config: dict | None = None, *, dtype: str = "
     tensors["model.norm.weight"] = (config["hidden_size"],)
     for i in range(n_layers):
         for module, (fan_in, fan_out) in shapes.items():
-            tensors[f"model.layers.{i}.{_PARENT.get(module, 'self_attn')}.{module}.weight"] = (fan_out, fan_in)
+            tensors[f"model.layers.{i}.{_PARENT.get(module, 'self_attn')}.{module}.weight"] = (
+                fan_out,
+                fan_in,
+            )
         tensors[f"model.layers.{i}.input_layernorm.weight"] = (config["hidden_size"],)
         tensors[f"model.layers.{i}.post_attention_layernorm.weight"] = (config["hidden_size"],)
     write_safetensors(
@@ -136,8 +149,16 @@ def make_peft_folder(
             fan_in, fan_out = shapes[module]
             prefix = f"base_model.model.model.layers.{i}.{_PARENT.get(module, 'self_attn')}.{module}"
             r = ranks[module]
-            tensors[f"{prefix}.lora_A.weight"] = (dtype, (r, fan_in), random_tensor_bytes((r, fan_in), dtype, rng, scale))
-            tensors[f"{prefix}.lora_B.weight"] = (dtype, (fan_out, r), random_tensor_bytes((fan_out, r), dtype, rng, scale))
+            tensors[f"{prefix}.lora_A.weight"] = (
+                dtype,
+                (r, fan_in),
+                random_tensor_bytes((r, fan_in), dtype, rng, scale),
+            )
+            tensors[f"{prefix}.lora_B.weight"] = (
+                dtype,
+                (fan_out, r),
+                random_tensor_bytes((fan_out, r), dtype, rng, scale),
+            )
     write_safetensors(folder / "adapter_model.safetensors", tensors)
     config = {
         "peft_type": "LORA",
@@ -205,14 +226,41 @@ def build_signed_adapter(
     if base_dir is not None and "base_config" not in peft_kwargs:
         peft_kwargs["base_config"] = json.loads((Path(base_dir) / "config.json").read_text())
     make_peft_folder(folder, **peft_kwargs)
-    manifest = pack_folder(folder, name=name, version=version, base_dir=base_dir, base_hash=base_hash, max_rank=max_rank)
+    manifest = pack_folder(
+        folder, name=name, version=version, base_dir=base_dir, base_hash=base_hash, max_rank=max_rank
+    )
     signed = sign_folder(folder, keys.private_pem)
     return SignedAdapter(Path(folder), manifest, signed["digest"], signed["key_id"])
 
 
-def push_adapter(folder: Path, s3_client, bucket: str, prefix: str | None = None, *, force: bool = False) -> str:
+def push_adapter(
+    folder: Path, s3_client, bucket: str, prefix: str | None = None, *, force: bool = False
+) -> str:
     """Upload a signed folder to s3://bucket/<name>/<version>/ (or the given prefix); returns the URI."""
     if prefix is None:
         manifest = Manifest.from_json((Path(folder) / "loraplane-manifest.json").read_bytes())
         prefix = f"{manifest.name}/{manifest.version}/"
     return push_folder(folder, f"s3://{bucket}/{prefix}", s3_client=s3_client, force=force)["uri"]
+
+
+@dataclass(frozen=True, slots=True)
+class PublishedAdapter:
+    uri: str  # s3://bucket/name/version/
+    digest: str  # sha256:<hex>: what a LoRAAdapter pins in spec.source.manifestDigest
+    folder: Path
+    manifest: Manifest
+    key_id: str
+
+
+def publish_adapter(
+    workdir: Path, s3_client, bucket: str, *, name: str, version: str, keys: Keys, **build_kwargs
+) -> PublishedAdapter:
+    """One call for operator and e2e tests: build, pack, sign and push a random adapter version.
+
+    ``build_kwargs`` go to build_signed_adapter (base_dir= or base_hash=, rank=, target_modules=, seed=, ...).
+    """
+    adapter = build_signed_adapter(
+        Path(workdir) / f"{name}-{version}", name=name, version=version, keys=keys, **build_kwargs
+    )
+    uri = push_adapter(adapter.folder, s3_client, bucket)
+    return PublishedAdapter(uri, adapter.digest, adapter.folder, adapter.manifest, adapter.key_id)

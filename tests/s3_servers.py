@@ -52,8 +52,21 @@ class S3Endpoint:
     secret_key: str = "testing"
     region: str = "us-east-1"
 
-    def client(self, *, read_timeout: float = 10, connect_timeout: float = 5, url: str | None = None, **overrides):
-        """A boto3 client with explicit test credentials (the code under test uses the standard chain)."""
+    _clients: dict = field(default_factory=dict, repr=False)
+
+    def client(
+        self, *, read_timeout: float = 10, connect_timeout: float = 5, url: str | None = None, **overrides
+    ):
+        """A boto3 client with explicit test credentials (the code under test uses the standard chain).
+
+        Clients are cached per settings: making one costs ~0.5 s of CPU (service model loading).
+        """
+        cache_key = (read_timeout, connect_timeout, url, tuple(sorted(overrides.items())))
+        if cache_key not in self._clients:
+            self._clients[cache_key] = self._new_client(read_timeout, connect_timeout, url, dict(overrides))
+        return self._clients[cache_key]
+
+    def _new_client(self, read_timeout: float, connect_timeout: float, url: str | None, overrides: dict):
         import boto3
         from botocore.config import Config
 
@@ -103,11 +116,11 @@ def _wait_http(url: str, proc: subprocess.Popen | None, timeout: float, log: Pat
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def _stop(proc: subprocess.Popen, grace: float = 10) -> None:
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(10)
+            proc.wait(grace)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(5)
@@ -185,7 +198,9 @@ def seaweedfs_server(
                 break
             except BlockingIOError:
                 if time.monotonic() > deadline:
-                    raise SeaweedUnavailable("another SeaweedFS test server held the machine for 120 s") from None
+                    raise SeaweedUnavailable(
+                        "another SeaweedFS test server held the machine for 120 s"
+                    ) from None
                 time.sleep(1)
         busy = [p for p in (s3_port, *SEAWEEDFS_FIXED_PORTS) if port_in_use(p)]
         if busy:
@@ -196,7 +211,14 @@ def seaweedfs_server(
         log = Path(workdir) / "weed.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                [str(binary), "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-s3.port={s3_port}"],
+                [
+                    str(binary),
+                    "mini",
+                    f"-dir={data}",
+                    "-ip=127.0.0.1",
+                    "-ip.bind=127.0.0.1",
+                    f"-s3.port={s3_port}",
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,
@@ -209,7 +231,7 @@ def seaweedfs_server(
             _wait_s3_ready(S3Endpoint(url, access_key, secret_key))
             yield S3Endpoint(url, access_key, secret_key)
         finally:
-            _stop(proc)
+            _stop(proc, grace=3)  # weed drains for ~10 s on SIGTERM; test data is disposable
     finally:
         os.close(lock_fd)
 
@@ -263,6 +285,12 @@ class FaultProxy:
             self.faults.append(fault)
         return fault
 
+    def reset(self) -> None:
+        """Forget faults and counts (reuse one proxy, and the clients pointed at it, across tests)."""
+        with self._lock:
+            self.faults.clear()
+            self.requests.clear()
+
     def count(self, method: str, path_suffix: str) -> int:
         with self._lock:
             return sum(n for (m, p), n in self.requests.items() if m == method and p.endswith(path_suffix))
@@ -306,7 +334,11 @@ class FaultProxy:
                     proxy._stopping.wait(fault.hang_s)
                     self.close_connection = True
                     return
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("transfer-encoding", "connection")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("transfer-encoding", "connection")
+                }
                 if self.headers.get("Transfer-Encoding"):
                     headers["Content-Length"] = str(len(body))
                 conn = http.client.HTTPConnection(upstream.hostname, upstream.port, timeout=30)
@@ -318,7 +350,13 @@ class FaultProxy:
                     conn.close()
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length", "date", "server"):
+                    if k.lower() not in (
+                        "transfer-encoding",
+                        "connection",
+                        "content-length",
+                        "date",
+                        "server",
+                    ):
                         self.send_header(k, v)
                 length = len(data) if self.command != "HEAD" else int(resp.getheader("Content-Length") or 0)
                 if fault and fault.kind in ("truncate", "short_length") and self.command == "GET":

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from loraplane.server.artifacts import errors as E
 from loraplane.server.artifacts import s3 as S3
+from loraplane.server.artifacts.fsutil import SyncedFile, flock, fsync_dir, write_atomic
 from loraplane.server.artifacts.manifest import (
     MANIFEST_FILE,
     SIGNATURE_FILE,
@@ -53,6 +54,21 @@ from loraplane.server.artifacts.verify import (
 
 log = logging.getLogger(__name__)
 
+# A cached folder was fully verified when it was built, so these failures on a later read mean the local
+# copy changed (bit rot, a stray write): evict and fetch again. UnknownKey, BaseMismatch and other policy
+# refusals mean "not for this caller" and leave the entry alone.
+_CORRUPTION = frozenset(
+    {
+        E.FILE_HASH_MISMATCH,
+        E.FILE_SIZE_MISMATCH,
+        E.MISSING_FILE,
+        E.BAD_MANIFEST,
+        E.DIGEST_MISMATCH,
+        E.UNSIGNED,
+        E.BAD_SIGNATURE,
+    }
+)
+
 
 @dataclass(frozen=True, slots=True)
 class LocalAdapter:
@@ -68,55 +84,6 @@ class LocalAdapter:
     @property
     def config_path(self) -> Path:
         return self.path / "adapter_config.json"
-
-
-@contextmanager
-def _flock(path: Path, mode: int = fcntl.LOCK_EX, blocking: bool = True) -> Iterator[bool]:
-    """Hold an fcntl lock on ``path`` (threads too: each call opens its own file description)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, mode | (0 if blocking else fcntl.LOCK_NB))
-            got = True
-        except BlockingIOError:
-            got = False
-        yield got
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-class _SyncedFile:
-    """A binary file that is flushed and fsynced when closed without error."""
-
-    def __init__(self, path: Path):
-        self.path, self.f = path, open(path, "wb")
-
-    def write(self, data: bytes) -> int:
-        return self.f.write(data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, *_):
-        if exc_type is None:
-            self.f.flush()
-            os.fsync(self.f.fileno())
-        self.f.close()
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
-    with _SyncedFile(tmp) as f:
-        f.write(data)
-    os.replace(tmp, path)
 
 
 class HostCache:
@@ -204,7 +171,7 @@ class HostCache:
             retry=self.retry,
         )
         hex_ = verified.digest.removeprefix("sha256:")
-        with _flock(self._lock("adapter", hex_)):
+        with flock(self._lock("adapter", hex_)):
             local = self._open_local(hex_, trusted_keys, policy, acquire)
             if local is not None:
                 return local
@@ -226,20 +193,18 @@ class HostCache:
             return None
         read = lambda name: (folder / name).read_bytes() if (folder / name).is_file() else None
         try:
+            manifest_bytes, sig_bytes = read(MANIFEST_FILE), read(SIGNATURE_FILE)
+        except FileNotFoundError:  # evicted by another puller while we looked
+            return None
+        try:
             verified = verify_manifest_bytes(
-                read(MANIFEST_FILE), read(SIGNATURE_FILE), trusted_keys=trusted_keys, policy=policy
+                manifest_bytes, sig_bytes, trusted_keys=trusted_keys, policy=policy
             )
             if verified.digest != "sha256:" + hex_:
                 raise E.ArtifactError(E.DIGEST_MISMATCH, "cached manifest is not the one named", "cache")
             self._check_files(folder, verified.manifest, self.verify_on_hit if rehash is None else rehash)
         except E.ArtifactError as exc:
-            if exc.reason in (
-                E.FILE_HASH_MISMATCH,
-                E.FILE_SIZE_MISMATCH,
-                E.MISSING_FILE,
-                E.BAD_MANIFEST,
-                E.DIGEST_MISMATCH,
-            ):
+            if exc.reason in _CORRUPTION:
                 log.warning("cache entry %s is corrupt (%s): evicting and fetching again", hex_[:16], exc)
                 self._count("corrupt_evictions")
                 self._evict(hex_, drop_blobs_of=folder)
@@ -268,7 +233,7 @@ class HostCache:
     def _ensure_blob(self, bucket: str, key: str, entry: FileEntry) -> Path:
         """The verified blob for ``entry``: downloaded once, however many pullers ask at the same time."""
         blob = self._blob(entry.sha256)
-        with _flock(self._lock("blob", entry.sha256)):
+        with flock(self._lock("blob", entry.sha256)):
             if blob.is_file():
                 if blob.stat().st_size == entry.size and (
                     not self.verify_on_hit or sha256_file(blob) == entry.sha256
@@ -284,12 +249,12 @@ class HostCache:
                     key,
                     sha256=entry.sha256,
                     size=entry.size,
-                    open_sink=lambda: _SyncedFile(tmp),
+                    open_sink=lambda: SyncedFile(tmp),
                     retry=self.retry,
                 )
                 os.chmod(tmp, 0o444)
                 os.replace(tmp, blob)
-                _fsync_dir(blob.parent)
+                fsync_dir(blob.parent)
             finally:
                 with suppress(FileNotFoundError):
                     tmp.unlink()
@@ -319,12 +284,12 @@ class HostCache:
                         break
                 else:
                     raise E.ArtifactError(E.CACHE_FULL, "blob evicted repeatedly while assembling", name)
-            _write_atomic(build / MANIFEST_FILE, verified.manifest_bytes)
-            _write_atomic(build / SIGNATURE_FILE, verified.signature_bytes)
+            write_atomic(build / MANIFEST_FILE, verified.manifest_bytes)
+            write_atomic(build / SIGNATURE_FILE, verified.signature_bytes)
             self._check_weights(build, verified.manifest, policy)
-            _fsync_dir(build)
+            fsync_dir(build)
             os.rename(build, self._folder(hex_))
-            _fsync_dir(self._folder(hex_).parent)
+            fsync_dir(self._folder(hex_).parent)
         finally:
             if build.exists():
                 shutil.rmtree(build, ignore_errors=True)
@@ -359,7 +324,7 @@ class HostCache:
             raise E.ArtifactError(
                 E.CACHE_FULL, f"needs {need} bytes, the budget is {self.budget_bytes}", "cache"
             )
-        with _flock(self.root / "locks" / "cache.lock"):
+        with flock(self.root / "locks" / "cache.lock"):
             self._drop_orphan_blobs()
             for hex_ in self._lru_order():
                 if self.used_bytes() + need <= self.budget_bytes:
@@ -381,10 +346,10 @@ class HostCache:
     def _evict_if_idle(self, hex_: str) -> bool:
         if self.is_pinned("sha256:" + hex_) or self._in_use["sha256:" + hex_]:
             return False
-        with _flock(self._lock("adapter", hex_), blocking=False) as got_adapter:
+        with flock(self._lock("adapter", hex_), blocking=False) as got_adapter:
             if not got_adapter:
                 return False
-            with _flock(self._lock("use", hex_), blocking=False) as idle:  # other processes hold LOCK_SH
+            with flock(self._lock("use", hex_), blocking=False) as idle:  # other processes hold LOCK_SH
                 if not idle:
                     return False
                 self._evict(hex_, drop_blobs_of=None)
@@ -414,13 +379,13 @@ class HostCache:
     def _drop_orphan_blobs(self) -> None:
         """Blobs that no adapter links (a failed assembly) and nobody is writing."""
         for blob in os.scandir(self.root / "blobs"):
-            with suppress(FileNotFoundError), _flock(self._lock("blob", blob.name), blocking=False) as free:
+            with suppress(FileNotFoundError), flock(self._lock("blob", blob.name), blocking=False) as free:
                 if free and blob.stat().st_nlink == 1 and time.time() - blob.stat().st_mtime > 60:
                     os.unlink(blob.path)
 
     def evict(self, digest: str) -> bool:
         """Evict one adapter now unless it is pinned or in use."""
-        with _flock(self.root / "locks" / "cache.lock"):
+        with flock(self.root / "locks" / "cache.lock"):
             return self._evict_if_idle(digest.removeprefix("sha256:"))
 
     # --- pins and in-use -----------------------------------------------------------------------------

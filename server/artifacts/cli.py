@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -89,9 +90,13 @@ def cmd_sign(args) -> dict:
 def cmd_push(args) -> dict:
     from loraplane.server.artifacts.pack import Progress, push_folder
 
-    manifest = Manifest.from_json((Path(args.dir) / MANIFEST_FILE).read_bytes())
+    folder = Path(args.dir)
+    manifest = Manifest.from_json((folder / MANIFEST_FILE).read_bytes())
+    extra = sum(
+        (folder / f).stat().st_size for f in (MANIFEST_FILE, SIGNATURE_FILE) if (folder / f).is_file()
+    )
     progress = (
-        None if args.json or args.quiet else Progress(manifest.total_bytes + 4096, f"push {manifest.name}")
+        None if args.json or args.quiet else Progress(manifest.total_bytes + extra, f"push {manifest.name}")
     )
     return push_folder(
         args.dir,
@@ -100,6 +105,7 @@ def cmd_push(args) -> dict:
         force=args.force,
         chunk_bytes=args.chunk_mb << 20,
         progress=progress,
+        retry=_retry(args),
     )
 
 
@@ -116,9 +122,10 @@ def cmd_verify(args) -> dict:
             pinned_digest=policy.pinned_digest,
             max_rank=policy.max_rank,
             s3_client=client,
+            retry=_retry(args),
         )
         if not args.manifest_only:
-            _hash_remote(client, args.target, verified.manifest)
+            _hash_remote(client, args.target, verified.manifest, _retry(args))
     else:
         verified = verify_folder(Path(args.target), trusted_keys=_trusted(args), policy=policy)
     return {
@@ -132,7 +139,7 @@ def cmd_verify(args) -> dict:
 def cmd_pull(args) -> dict:
     from loraplane.server.artifacts.cache import HostCache
 
-    cache = HostCache(args.cache, int(args.budget_gb * (1 << 30)), _client(args))
+    cache = HostCache(args.cache, int(args.budget_gb * (1 << 30)), _client(args), retry=_retry(args))
     policy = _policy(args)
     local = cache.pull(
         args.uri,
@@ -181,15 +188,14 @@ def lora_adapter_resource(
     manifest: Manifest, digest: str, uri: str, base_ref: str, namespace: str | None
 ) -> dict:
     """The LoRAAdapter custom resource that pins this exact adapter version."""
-    metadata = {"name": manifest.name, "labels": {"loraplane.dev/version": manifest.version}}
-    if namespace:
-        metadata["namespace"] = namespace
+    metadata = {"name": manifest.name, **({"namespace": namespace} if namespace else {})}
+    metadata["labels"] = {"loraplane.dev/version": manifest.version}
     return {
         "apiVersion": "loraplane.dev/v1alpha1",
         "kind": "LoRAAdapter",
         "metadata": metadata,
         "spec": {
-            "baseRef": base_ref,
+            "baseRef": {"name": base_ref},
             "version": manifest.version,
             "source": {"uri": uri if uri.endswith("/") else uri + "/", "manifestDigest": digest},
         },
@@ -214,6 +220,10 @@ def _client(args):
     return S3.make_client(args.endpoint_url)
 
 
+def _retry(args) -> S3.RetryPolicy:
+    return S3.RetryPolicy(attempts=args.attempts)
+
+
 def _trusted(args) -> dict[str, bytes]:
     from loraplane.server.artifacts.signing import load_trusted_keys
 
@@ -234,7 +244,7 @@ def _policy(args):
 def _read_target(args) -> tuple[bytes, bytes | None]:
     if args.target.startswith("s3://"):
         bucket, prefix = S3.parse_s3_uri(args.target)
-        client, retry = _client(args), S3.RetryPolicy()
+        client, retry = _client(args), _retry(args)
         manifest = S3.get_small(client, bucket, prefix + MANIFEST_FILE, max_bytes=1 << 20, retry=retry)
         if manifest is None:
             raise E.ArtifactError(E.NOT_FOUND, f"no manifest under {args.target}", "source.uri")
@@ -257,7 +267,7 @@ class _Null:
         return None
 
 
-def _hash_remote(client, uri: str, manifest: Manifest) -> None:
+def _hash_remote(client, uri: str, manifest: Manifest, retry: S3.RetryPolicy) -> None:
     """Stream every file once through sha256 without storing it."""
     bucket, prefix = S3.parse_s3_uri(uri)
     for name, entry in manifest.files.items():
@@ -268,7 +278,7 @@ def _hash_remote(client, uri: str, manifest: Manifest) -> None:
             sha256=entry.sha256,
             size=entry.size,
             open_sink=_Null,
-            retry=S3.RetryPolicy(),
+            retry=retry,
         )
 
 
@@ -281,6 +291,9 @@ def _parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     common.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     common.add_argument("--endpoint-url", help="S3 endpoint (default: AWS_ENDPOINT_URL_S3, then AWS)")
+    common.add_argument(
+        "--attempts", type=int, default=5, help="S3 attempts per request (backoff with jitter)"
+    )
     checks = argparse.ArgumentParser(add_help=False)
     checks.add_argument("--trusted-keys", required=True, help="a .pub file or a folder of PEM public keys")
     base = checks.add_mutually_exclusive_group()
@@ -357,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     except SystemExit as exc:
         return EXIT_OK if exc.code == 0 else EXIT_USAGE
+    logging.basicConfig(level=logging.WARNING, format=f"loraplane adapter {args.command}: %(message)s")
     try:
         result = COMMANDS[args.command](args)
     except E.ArtifactError as exc:

@@ -151,6 +151,9 @@ class Manifest:
             )
         object.__setattr__(self, "files", MappingProxyType(dict(sorted(entries.items()))))
 
+    def __reduce__(self):  # mapping proxies do not pickle; the canonical dict does
+        return (Manifest.from_dict, (self.to_dict(),))
+
     # --- identity ------------------------------------------------------------------------------------
 
     @property

@@ -148,6 +148,13 @@ def sign_folder(folder: str | Path, private_pem: bytes) -> dict:
     }
 
 
+def _human(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
 class Progress:
     """A byte counter drawn on stderr (boto3 calls it from its transfer threads)."""
 
@@ -167,7 +174,7 @@ class Progress:
             bar = "#" * (pct // 5) + "." * (20 - pct // 5)
             end = "\n" if pct == 100 or not self.stream.isatty() else ""
             self.stream.write(
-                f"\r{self.label} [{bar}] {pct:3d}% {self.done / 1e6:.1f}/{self.total / 1e6:.1f} MB{end}"
+                f"\r{self.label} [{bar}] {pct:3d}% {_human(self.done)}/{_human(self.total)}{end}"
             )
             self.stream.flush()
 

@@ -23,6 +23,7 @@ import boto3
 from boto3.exceptions import S3UploadFailedError
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
+
 from loraplane.server.artifacts import errors as E
 
 log = logging.getLogger(__name__)
@@ -116,22 +117,20 @@ def classify(exc: BaseException, what: str) -> E.ArtifactError | None:
         if code in _TRANSIENT_CODES or status in _TRANSIENT_CODES or status == "429":
             return None
         if code in _NOT_FOUND_CODES or status == "404":
-            return E.ArtifactError(E.NOT_FOUND, f"{what}: {code}", what)
+            return E.ArtifactError(E.NOT_FOUND, f"S3 says {code}", what)
         if code in _DENIED_CODES or status == "403":
-            return E.ArtifactError(E.ACCESS_DENIED, f"{what}: S3 refused the request ({code})", what)
-        return E.ArtifactError(E.SOURCE_UNREACHABLE, f"{what}: S3 error {code}", what)
+            return E.ArtifactError(E.ACCESS_DENIED, f"S3 refused the request ({code})", what)
+        return E.ArtifactError(E.SOURCE_UNREACHABLE, f"S3 error {code}", what)
     if isinstance(exc, BotoCoreError | ShortBody | ConnectionError | socket.timeout | TimeoutError):
         return None
     if isinstance(exc, S3UploadFailedError):  # boto3's transfer manager wraps the S3 error in text
         denied = next((code for code in _DENIED_CODES if code in str(exc) and not code.isdigit()), None)
         if denied:
-            return E.ArtifactError(E.ACCESS_DENIED, f"{what}: S3 refused the upload ({denied})", what)
+            return E.ArtifactError(E.ACCESS_DENIED, f"S3 refused the upload ({denied})", what)
         return None
     if type(exc).__module__.startswith("urllib3"):  # ProtocolError and friends from inside a body read
         return None
-    return (
-        None if isinstance(exc, OSError) else E.ArtifactError(E.SOURCE_UNREACHABLE, f"{what}: {exc!r}", what)
-    )
+    return None if isinstance(exc, OSError) else E.ArtifactError(E.SOURCE_UNREACHABLE, repr(exc), what)
 
 
 def with_retries(fn: Callable[[], T], *, what: str, retry: RetryPolicy) -> T:
@@ -149,7 +148,7 @@ def with_retries(fn: Callable[[], T], *, what: str, retry: RetryPolicy) -> T:
             last = exc
             log.warning("%s: attempt %d/%d failed: %s", what, attempt + 1, retry.attempts, _describe(exc))
     raise E.ArtifactError(
-        E.SOURCE_UNREACHABLE, f"{what}: {retry.attempts} attempt(s) failed; last: {_describe(last)}", what
+        E.SOURCE_UNREACHABLE, f"{retry.attempts} attempt(s) failed; last: {_describe(last)}", what
     )
 
 

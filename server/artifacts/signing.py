@@ -15,12 +15,14 @@ import base64
 import binascii
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
 from loraplane.server.artifacts import errors as E
 from loraplane.server.artifacts.manifest import Manifest, canonical_json, digest_of
 
@@ -42,6 +44,8 @@ def generate_keypair() -> tuple[bytes, bytes]:
 
 def _load_public(public_pem: bytes | str, field_: str) -> Ed25519PublicKey:
     data = public_pem.encode() if isinstance(public_pem, str) else public_pem
+    if b"PRIVATE KEY-----" in data:  # a private key where public ones belong: say so, never parse it
+        raise E.ArtifactError(E.BAD_KEY, "holds a private key; trusted keys must be public keys", field_)
     try:
         key = serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as exc:
@@ -163,7 +167,8 @@ def load_trusted_keys(source: str | Path | Mapping[str, bytes | str]) -> dict[st
 
     ``source`` is a folder (e.g. a mounted Secret or ConfigMap: every regular, non-hidden file holds one
     PEM public key; Kubernetes' ``..data`` links are skipped) or a mapping name -> PEM (e.g. Secret data,
-    already base64-decoded). Key ids are derived from the keys, not from file names.
+    already base64-decoded). Key ids are derived from the keys; an entry named like a key id (16 hex digits,
+    optionally .pub/.pem) must hold that key.
     """
     if isinstance(source, Mapping):
         items = [(str(name), value) for name, value in source.items()]
@@ -179,7 +184,13 @@ def load_trusted_keys(source: str | Path | Mapping[str, bytes | str]) -> dict[st
     keys: dict[str, bytes] = {}
     for name, value in items:
         pem = value.encode() if isinstance(value, str) else bytes(value)
-        keys[key_id_checked(pem, f"trusted_keys.{name}")] = pem
+        kid = key_id_checked(pem, f"trusted_keys.{name}")
+        stem = name.rsplit(".", 1)[0] if name.endswith((".pub", ".pem")) else name
+        if re.fullmatch(r"[0-9a-f]{16}", stem) and stem != kid:  # named by a key id, but another one
+            raise E.ArtifactError(
+                E.BAD_KEY, f"entry is named {stem!r} but holds key {kid!r}", f"trusted_keys.{name}"
+            )
+        keys[kid] = pem
     if not keys:
         raise E.ArtifactError(E.BAD_KEY, "no trusted public keys found", "trusted_keys")
     return keys

@@ -108,26 +108,29 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
 @triton.jit
 def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, scale,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
                          BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     seq_len = tl.load(lens_ptr + b)
     g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, D)
+    d = tl.arange(0, D_PAD)
+    dmask = d < D
     heads = kvh * GROUP + g
     gmask = g < GROUP
-    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=gmask[:, None], other=0.0)
+    qmask = gmask[:, None] & dmask[None, :]
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qmask, other=0.0)
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, D], tl.float32)
+    acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
     for start in range(0, seq_len, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         nmask = n < seq_len
         blk = tl.load(bt_ptr + b * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
-        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)  # [BLOCK_N, D]
-        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=nmask[:, None], other=0.0)
+        kvmask = nmask[:, None] & dmask[None, :]
+        k = tl.load(kc_ptr + off[:, None] + d[None, :], mask=kvmask, other=0.0)  # [BLOCK_N, D_PAD]
+        v = tl.load(vc_ptr + off[:, None] + d[None, :], mask=kvmask, other=0.0)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -145,7 +148,7 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, scale
     l_i = tl.where(l_i == 0.0, 1.0, l_i)  # empty (padding) rows write zeros, not NaN
     out = acc / l_i[:, None]
     tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=gmask[:, None])  # fmt: skip
+             mask=qmask)  # fmt: skip
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -153,7 +156,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     """q: [B, Hq, D]; caches [N, bs, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32 -> [B, Hq, D]."""
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
-    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous() and D & (D - 1) == 0
+    assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1
     group = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
@@ -162,7 +165,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         q, k_cache, v_cache, block_tables, seq_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, BLOCK_SIZE=block_size,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=max(16, triton.next_power_of_2(D)),
+        BLOCK_SIZE=block_size,
         BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
@@ -176,7 +180,9 @@ def paged_decode_ref(q, k_cache, v_cache, block_tables, seq_lens, scale) -> torc
         L = int(seq_lens[i])
         pos = torch.arange(L, device=q.device)
         slots = block_tables[i].long()[pos // bs] * bs + pos % bs
-        outs.append(_sdpa_span(q[i : i + 1], k_cache.view(-1, H, D)[slots], v_cache.view(-1, H, D)[slots], scale))
+        outs.append(
+            _sdpa_span(q[i : i + 1], k_cache.view(-1, H, D)[slots], v_cache.view(-1, H, D)[slots], scale)
+        )
     return torch.cat(outs)
 
 

@@ -37,7 +37,9 @@ class DecodeGraphs:
 
     def _meta(self, bs: int) -> AttentionMetadata:
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs], block_tables=self.block_tables[:bs], seq_lens=self.seq_lens[:bs]
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
         )
 
     def _run_model(self, bs: int) -> torch.Tensor:

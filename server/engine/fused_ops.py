@@ -41,7 +41,11 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, triton_: bool | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    triton_: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x: [T, H]; residual: [T, H] or None. With a residual: residual += x in place, return norm(residual).
 
@@ -63,50 +67,66 @@ def rmsnorm(
 
 # ------------------------------------------------------------------------------------------ SiLU * up
 @triton.jit
-def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    g = tl.load(g_ptr + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + row * N + cols, mask=mask, other=0.0)
+    g = tl.load(x_ptr + row * 2 * N + cols, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + row * 2 * N + N + cols, mask=mask, other=0.0)
     silu = (g / (1.0 + tl.exp(-g))).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * N + cols, silu * u, mask=mask)
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor, triton_: bool | None = None) -> torch.Tensor:
-    """gate, up: [T, F] contiguous -> silu(gate) * up  [T, F]."""
-    if not (gate.is_cuda if triton_ is None else triton_):
-        return torch.nn.functional.silu(gate) * up
-    assert gate.is_contiguous() and up.is_contiguous() and gate.shape == up.shape
-    T, N = gate.shape
-    out = torch.empty_like(gate)
+def silu_mul(gate_up: torch.Tensor, triton_: bool | None = None) -> torch.Tensor:
+    """gate_up: [T, 2F] contiguous, gate | up -> silu(gate) * up  [T, F]."""
+    F_ = gate_up.shape[-1] // 2
+    if not (gate_up.is_cuda if triton_ is None else triton_):
+        return torch.nn.functional.silu(gate_up[:, :F_]) * gate_up[:, F_:]
+    assert gate_up.is_contiguous()
+    T = gate_up.shape[0]
+    out = gate_up.new_empty((T, F_))
     BLOCK = 1024
-    _silu_mul_kernel[(T, triton.cdiv(N, BLOCK))](gate, up, out, N, BLOCK=BLOCK, num_warps=4)
+    _silu_mul_kernel[(T, triton.cdiv(F_, BLOCK))](gate_up, out, F_, BLOCK=BLOCK, num_warps=4)
     return out
 
 
-# ------------------------------------------------------------------------------------------------ RoPE
+# ------------------------------------------------------------------------------------ RoPE + KV store
 @triton.jit
-def _rope_kernel(x_ptr, pos_ptr, cos_ptr, sin_ptr, stride_t, stride_h, HALF: tl.constexpr,
-                 BLOCK_H: tl.constexpr, NUM_HEADS: tl.constexpr):  # fmt: skip
+def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t,
+                       NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
+                       BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+    """One token per program: rotate its q and k heads in place, then store its k and v heads at its KV slot."""
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
-    d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * HALF + d)  # fp32 [HALF]
-    sin = tl.load(sin_ptr + pos * HALF + d)
-    cos = cos.to(x_ptr.dtype.element_ty).to(tl.float32)  # HF casts cos/sin to the activation dtype
-    sin = sin.to(x_ptr.dtype.element_ty).to(tl.float32)
-    h = tl.arange(0, BLOCK_H)
-    hmask = h[:, None] < NUM_HEADS
-    base = x_ptr + t * stride_t + h[:, None] * stride_h + d[None, :]
-    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    d = tl.arange(0, BLOCK_HALF)
+    dmask = d < HALF
+    dt = qkv_ptr.dtype.element_ty
+    cos = tl.load(cos_ptr + pos * HALF + d, mask=dmask, other=0.0).to(dt).to(tl.float32)  # HF casts cos/sin
+    sin = tl.load(sin_ptr + pos * HALF + d, mask=dmask, other=0.0).to(dt).to(tl.float32)
+    h = tl.arange(0, BLOCK_H)[:, None]  # head index in [q heads | k heads | v heads]
+    mask = (h < NUM_Q + 2 * NUM_KV) & dmask[None, :]
+    base = qkv_ptr + t * stride_t + h * D + d[None, :]
+    x1 = tl.load(base, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0).to(tl.float32)
     # HF computes q*cos and rotate_half(q)*sin in the activation dtype; round each product likewise
-    dt = x_ptr.dtype.element_ty
     o1 = (x1 * cos[None, :]).to(dt).to(tl.float32) - (x2 * sin[None, :]).to(dt).to(tl.float32)
     o2 = (x2 * cos[None, :]).to(dt).to(tl.float32) + (x1 * sin[None, :]).to(dt).to(tl.float32)
-    tl.store(base, o1.to(dt), mask=hmask)
-    tl.store(base + HALF, o2.to(dt), mask=hmask)
+    rot = mask & (h < NUM_Q + NUM_KV)
+    o1 = tl.where(rot, o1, x1).to(dt)
+    o2 = tl.where(rot, o2, x2).to(dt)
+    tl.store(base, o1, mask=rot)
+    tl.store(base + HALF, o2, mask=rot)
+    slot = tl.load(slot_ptr + t)
+    if slot >= 0:
+        row = slot * (NUM_KV * D)
+        is_k = mask & (h >= NUM_Q) & (h < NUM_Q + NUM_KV)
+        is_v = mask & (h >= NUM_Q + NUM_KV)
+        k_off = kc_ptr + row + (h - NUM_Q) * D + d[None, :]
+        v_off = vc_ptr + row + (h - NUM_Q - NUM_KV) * D + d[None, :]
+        tl.store(k_off, o1, mask=is_k)
+        tl.store(k_off + HALF, o2, mask=is_k)
+        tl.store(v_off, o1, mask=is_v)
+        tl.store(v_off + HALF, o2, mask=is_v)
 
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -118,14 +138,25 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: t
     return x * c + rotated * s
 
 
-def apply_rope_(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                triton_: bool | None = None) -> torch.Tensor:  # fmt: skip
-    """In place on x: [T, heads, D] (last dim contiguous); positions: [T] int64."""
-    if not (x.is_cuda if triton_ is None else triton_):
-        x.copy_(rope_ref(x, positions, cos, sin))
-        return x
-    T, H, D = x.shape
-    assert x.stride(-1) == 1 and D % 2 == 0
-    _rope_kernel[(T,)](x, positions, cos, sin, x.stride(0), x.stride(1), HALF=D // 2,
-                       BLOCK_H=triton.next_power_of_2(H), NUM_HEADS=H, num_warps=4)  # fmt: skip
-    return x
+def rope_and_store_kv(qkv: torch.Tensor, num_q: int, num_kv: int, positions: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      triton_: bool | None = None) -> None:  # fmt: skip
+    """In place on qkv: [T, num_q + 2*num_kv, D] (q | k | v heads): rotate q and k; store k, v in the caches
+    [N, block_size, num_kv, D] at slot_mapping [T] (-1: no store; an empty cache: no store)."""
+    store = k_cache.numel() > 0
+    if not (qkv.is_cuda if triton_ is None else triton_):
+        qk = qkv[:, : num_q + num_kv]
+        qk.copy_(rope_ref(qk, positions, cos, sin))
+        if store:
+            k_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slot_mapping, qkv[:, num_q : num_q + num_kv])
+            v_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slot_mapping, qkv[:, num_q + num_kv :])
+        return
+    T, H, D = qkv.shape
+    assert H == num_q + 2 * num_kv and qkv.stride(1) == D and qkv.stride(2) == 1 and D % 2 == 0
+    if not store:  # profiling run before the cache exists: rotate only
+        k_cache = v_cache = qkv
+        slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=qkv.device)
+    _rope_store_kernel[(T,)](qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0),
+                             NUM_Q=num_q, NUM_KV=num_kv, D=D, HALF=D // 2,
+                             BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_H=triton.next_power_of_2(H),
+                             num_warps=4)  # fmt: skip

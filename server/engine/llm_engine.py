@@ -15,7 +15,7 @@ from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenizerLike
 from .scheduler import ScheduledBatch, Scheduler
-from .sequence import Sequence, SamplingParams
+from .sequence import SamplingParams, Sequence, validate_prompt
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -31,6 +31,15 @@ class RequestOutput:
     num_output_tokens: int  # so far, including new_token_ids
     # Parallel to new_token_ids: {token_id: logprob} with the sampled token and the requested top ones.
     logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_kv_blocks: int
+    num_kv_blocks: int
+    num_preemptions: int  # since start
 
 
 def _build_runner(config: EngineConfig):
@@ -60,6 +69,7 @@ class LLMEngine:
     # --- requests -----------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
         """Raise ValueError (naming the field) for a request that can never run; reads no mutable state."""
+        validate_prompt(prompt_token_ids)
         self.scheduler.check_prompt_len(len(prompt_token_ids))
         if sampling.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop: stop strings need an engine built with a tokenizer")
@@ -101,6 +111,16 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    def stats(self) -> EngineStats:
+        scheduler, blocks = self.scheduler, self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_kv_blocks=blocks.num_free_blocks,
+            num_kv_blocks=blocks.num_blocks,
+            num_preemptions=scheduler.num_preemptions,
+        )
+
     # --- the loop -------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
@@ -112,7 +132,9 @@ class LLMEngine:
         if batch.chunks:
             sampled = self.runner.execute(batch)
             if len(sampled) != batch.num_sampled:
-                raise RuntimeError(f"runner returned {len(sampled)} tokens for {batch.num_sampled} sampling chunks")
+                raise RuntimeError(
+                    f"runner returned {len(sampled)} tokens for {batch.num_sampled} sampling chunks"
+                )
             return sampled
         if batch.freed_seq_ids:
             self.runner.release(batch.freed_seq_ids)
@@ -135,7 +157,9 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         sampling = seq.sampling
-        if token_id in sampling.stop_token_ids or (not sampling.ignore_eos and token_id in self.eos_token_ids):
+        if token_id in sampling.stop_token_ids or (
+            not sampling.ignore_eos and token_id in self.eos_token_ids
+        ):
             return "stop"  # the stop token's text is never part of the output
         detokenizer = self._detokenizers.get(seq.seq_id)
         if detokenizer is not None and detokenizer.add_token(token_id):

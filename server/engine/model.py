@@ -1,7 +1,8 @@
 """One decoder for Llama, Qwen2 and Mistral (gpt-fast style). It knows nothing of LoRA or scheduling.
 
-Module names mirror Hugging Face's (``model.layers.{i}.self_attn.q_proj`` ...), so checkpoints load by
-name and a later wrapper can replace any projection with a ``base_layer`` wrapper. Tokens of all
+Module names mirror Hugging Face's (``model.layers.{i}.self_attn.o_proj`` ...), except that q/k/v and gate/up
+are packed into ``qkv_proj`` and ``gate_up_proj`` (one GEMM each; PACKED_MODULES names their members). Every
+projection is a plain nn.Linear, so a later wrapper can replace it with a ``base_layer`` wrapper. Tokens of all
 sequences of a step are flattened into one [T, ...] batch; per-step paging facts arrive in
 ``AttentionMetadata`` and each layer's KV cache is attached by the runner (``attn.k_cache``/``v_cache``).
 """
@@ -13,8 +14,8 @@ import math
 import torch
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention, write_kv
-from .fused_ops import apply_rope_, rmsnorm, silu_mul
+from .attention import AttentionMetadata, paged_attention
+from .fused_ops import rmsnorm, rope_and_store_kv, silu_mul
 from .model_config import ModelConfig, RopeScaling
 
 
@@ -47,28 +48,36 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
+# Packed projections: one GEMM each instead of three / two. HF checkpoints keep them apart; PACKED_MODULES
+# tells the loader (and a later LoRA wrapper) which rows of the packed output each HF projection owns.
+PACKED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def packed_output_sizes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Row count of each member projection inside its packed module, in packing order."""
+    return {
+        "qkv_proj": (cfg.q_size, cfg.kv_size, cfg.kv_size),
+        "gate_up_proj": (cfg.intermediate_size, cfg.intermediate_size),
+    }
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.q_size, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.kv_size, bias=cfg.qkv_bias)
+        # output rows: [q (num_heads * D) | k (num_kv_heads * D) | v (num_kv_heads * D)]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_bias)
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, kv_heads, head_dim], set by the runner
         self.v_cache = torch.empty(0)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:  # fmt: skip
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        apply_rope_(q, positions, *rope)
-        apply_rope_(k, positions, *rope)
-        if self.k_cache.numel():
-            write_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        T, Hq, Hkv = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, Hq + 2 * Hkv, self.head_dim)  # [T, Hq + 2 Hkv, D]
+        rope_and_store_kv(qkv, Hq, Hkv, positions, *rope, self.k_cache, self.v_cache, meta.slot_mapping)
+        q, k, v = qkv.split([Hq, Hkv, Hkv], dim=1)  # views [T, H*, D]
         out = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)  # [T, Hq, D]
         return self.o_proj(out.view(T, -1))
 
@@ -76,12 +85,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # output rows: [gate (F) | up (F)]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -119,7 +128,7 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """Top module; state-dict names equal Hugging Face's ``*ForCausalLM`` names."""
+    """Top module; state-dict names equal Hugging Face's ``*ForCausalLM`` names but for the packed modules."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()

@@ -40,7 +40,9 @@ class RopeScaling:
         if not self.factor > 0:
             raise _refuse("rope_scaling.factor", self.factor, "must be > 0")
         if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
-            raise _refuse("rope_scaling.high_freq_factor", self.high_freq_factor, "must exceed low_freq_factor")
+            raise _refuse(
+                "rope_scaling.high_freq_factor", self.high_freq_factor, "must exceed low_freq_factor"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +67,14 @@ class ModelConfig:
     bos_token_id: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+        ):
             value = getattr(self, name)
             if not (isinstance(value, int) and value > 0):
                 raise _refuse(name, value, "must be a positive int")
@@ -112,7 +121,9 @@ class ModelConfig:
             raise _refuse("pretraining_tp", raw["pretraining_tp"])
         num_heads = raw.get("num_attention_heads")
         hidden = raw.get("hidden_size")
-        head_dim = raw.get("head_dim") or (hidden // num_heads if isinstance(hidden, int) and num_heads else 0)
+        head_dim = raw.get("head_dim") or (
+            hidden // num_heads if isinstance(hidden, int) and num_heads else 0
+        )
         max_pos = int(raw.get("max_position_embeddings", DEFAULT_MAX_MODEL_LEN))
         limit = max_model_len or min(max_pos, DEFAULT_MAX_MODEL_LEN)
         _check_sliding_window(raw, model_type, limit)
@@ -155,15 +166,19 @@ def _check_sliding_window(raw: dict, model_type: str, max_model_len: int) -> Non
         return  # Qwen2 configs carry a window they do not use
     if window is not None and window < max_model_len:
         raise _refuse(
-            "sliding_window", window, f"is smaller than max_model_len={max_model_len}: sliding-window attention is not supported"
+            "sliding_window",
+            window,
+            f"is smaller than max_model_len={max_model_len}: sliding-window attention is not supported",
         )
 
 
 def _parse_rope(raw: dict) -> tuple[float, RopeScaling | None]:
     """transformers 5.x: ``rope_parameters`` holds theta and scaling; 4.x: ``rope_theta`` + ``rope_scaling``."""
     params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "rope_parameters" not in params and any(
-        isinstance(v, dict) for v in params.values()
+    if (
+        isinstance(params, dict)
+        and "rope_parameters" not in params
+        and any(isinstance(v, dict) for v in params.values())
     ):
         raise _refuse("rope_parameters", "per-layer-type", "is not supported")
     scaling = dict(params) if isinstance(params, dict) else dict(raw.get("rope_scaling") or {})
@@ -179,5 +194,7 @@ def _parse_rope(raw: dict) -> tuple[float, RopeScaling | None]:
             if key not in scaling:
                 raise _refuse(f"rope_scaling.{key}", None, "is required for llama3 scaling")
             kwargs[key] = float(scaling[key])
-        kwargs["original_max_position_embeddings"] = int(scaling.get("original_max_position_embeddings", 8192))
+        kwargs["original_max_position_embeddings"] = int(
+            scaling.get("original_max_position_embeddings", 8192)
+        )
     return float(theta), RopeScaling(rope_type=rope_type, **kwargs)

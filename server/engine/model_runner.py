@@ -66,7 +66,9 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
 
 
 class ModelRunner:
-    def __init__(self, config, *, model: CausalLM | None = None, model_config: ModelConfig | None = None) -> None:
+    def __init__(
+        self, config, *, model: CausalLM | None = None, model_config: ModelConfig | None = None
+    ) -> None:
         """``model``/``model_config``: an already built model (benchmarks with random weights); else load."""
         self.config = config
         self.device = resolve_device(config.device)
@@ -171,7 +173,9 @@ class ModelRunner:
             seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
             end, row, table = start + n, len(ids), seq.block_table
             if end > self.max_model_len:
-                raise ValueError(f"sequence {seq.seq_id}: {end} tokens exceed max_model_len={self.max_model_len}")
+                raise ValueError(
+                    f"sequence {seq.seq_id}: {end} tokens exceed max_model_len={self.max_model_len}"
+                )
             ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
@@ -233,7 +237,9 @@ class ModelRunner:
         inp = self._prepare(batch)
         meta = inp.meta
         if inp.decode_only and self.graphs is not None and len(batch.chunks) <= self.graphs.max_batch_size:
-            logits = self.graphs.run(inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
+            logits = self.graphs.run(
+                inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
+            )
             # a 1-token chunk that does not end its prompt scores nothing
             return logits if inp.logits_indices.numel() == logits.shape[0] else logits[inp.logits_indices]
         return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)

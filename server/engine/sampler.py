@@ -28,7 +28,13 @@ class SamplingMetadata:
 
     def __post_init__(self) -> None:
         S = self.temperatures.shape[0]
-        if not (self.top_ks.shape[0] == self.top_ps.shape[0] == len(self.generators) == len(self.num_logprobs) == S):
+        if not (
+            self.top_ks.shape[0]
+            == self.top_ps.shape[0]
+            == len(self.generators)
+            == len(self.num_logprobs)
+            == S
+        ):
             raise ValueError("SamplingMetadata: every per-row field must have the same number of rows")
 
 
@@ -39,7 +45,9 @@ class SamplerOutput:
     top_logprobs: list[dict[int, float] | None]
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None
+) -> torch.Tensor:
     """logits: [S, V]; top_ks: [S] (0 = off); top_ps: [S] (1 = off) -> logits with dropped tokens at -inf."""
     V = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=False)  # [S, V] ascending
@@ -58,11 +66,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, default_gen: torch.Generator | None) -> torch.Tensor:
+def _sample_random(
+    logits: torch.Tensor, meta: SamplingMetadata, default_gen: torch.Generator | None
+) -> torch.Tensor:
     temps = torch.where(meta.temperatures > 0, meta.temperatures, 1.0)
     x = logits / temps.unsqueeze(1)
     if meta.any_top_k or meta.any_top_p:
-        x = apply_top_k_top_p(x, meta.top_ks if meta.any_top_k else None, meta.top_ps if meta.any_top_p else None)
+        x = apply_top_k_top_p(
+            x, meta.top_ks if meta.any_top_k else None, meta.top_ps if meta.any_top_p else None
+        )
     probs = x.softmax(dim=-1)  # [S, V]
     noise = torch.empty_like(probs).exponential_(generator=default_gen)
     for row, gen in enumerate(meta.generators):
@@ -71,7 +83,9 @@ def _sample_random(logits: torch.Tensor, meta: SamplingMetadata, default_gen: to
     return (probs / noise).argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, meta: SamplingMetadata, default_gen: torch.Generator | None = None) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, meta: SamplingMetadata, default_gen: torch.Generator | None = None
+) -> SamplerOutput:
     """logits: [S, V] fp32 -> one token per row, plus logprobs where asked (one host transfer)."""
     greedy = logits.argmax(dim=-1)  # [S]
     if meta.all_greedy:
@@ -80,11 +94,18 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata, default_gen: torch.Gene
         tokens = torch.where(meta.temperatures == 0, greedy, _sample_random(logits, meta, default_gen))
     wanted = [n for n in meta.num_logprobs if n is not None]
     if not wanted:
-        return SamplerOutput(tokens.tolist(), [None] * len(meta.num_logprobs), [None] * len(meta.num_logprobs))
+        return SamplerOutput(
+            tokens.tolist(), [None] * len(meta.num_logprobs), [None] * len(meta.num_logprobs)
+        )
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)  # [S]
     top_vals, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)  # [S, n]
-    token_ids, chosen, top_vals, top_ids = tokens.tolist(), chosen.tolist(), top_vals.tolist(), top_ids.tolist()
+    token_ids, chosen, top_vals, top_ids = (
+        tokens.tolist(),
+        chosen.tolist(),
+        top_vals.tolist(),
+        top_ids.tolist(),
+    )
     out_lp: list[float | None] = []
     out_top: list[dict[int, float] | None] = []
     for row, n in enumerate(meta.num_logprobs):

@@ -100,8 +100,10 @@ class Scheduler:
         self._budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         chunks: dict[int, ScheduledChunk] = {}  # by seq_id, in scheduling order
-        decodes = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        prefills = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        decodes: list[Sequence] = []
+        prefills: list[Sequence] = []
+        for seq in self.running:
+            (decodes if len(seq.token_ids) - seq.num_computed_tokens == 1 else prefills).append(seq)
         for seq in decodes + prefills:
             if self._budget == 0:
                 break
@@ -118,12 +120,13 @@ class Scheduler:
             chunk.seq.num_computed_tokens = chunk.start + chunk.num_tokens
 
     def _schedule_running(self, seq: Sequence, chunks: dict[int, ScheduledChunk]) -> None:
-        want = min(seq.num_tokens - seq.num_computed_tokens, self._budget)
-        while not self.block_manager.can_allocate(seq, seq.num_computed_tokens + want):
+        block_manager, start = self.block_manager, seq.num_computed_tokens
+        want = min(len(seq.token_ids) - start, self._budget)
+        while block_manager.num_missing_blocks(seq, start + want) > block_manager.num_free_blocks:
             victim = self.running[-1]  # the most recent arrival
             if victim is seq:
                 # Nobody younger to take blocks from: compute what fits and wait for older ones to finish.
-                want = min(want, self.block_manager.max_tokens_fitting(seq))
+                want = min(want, block_manager.max_tokens_fitting(seq))
                 if want == 0:
                     return
                 break
@@ -144,9 +147,10 @@ class Scheduler:
 
     def _add_chunk(self, seq: Sequence, num_tokens: int, chunks: dict[int, ScheduledChunk]) -> None:
         start = seq.num_computed_tokens
-        self.block_manager.allocate(seq, start + num_tokens)
-        sample = start + num_tokens == seq.num_tokens
-        chunks[seq.seq_id] = ScheduledChunk(seq=seq, start=start, num_tokens=num_tokens, sample=sample)
+        end = start + num_tokens
+        if len(seq.block_table) * self.block_manager.block_size < end:  # most decodes stay inside their block
+            self.block_manager.allocate(seq, end)
+        chunks[seq.seq_id] = ScheduledChunk(seq, start, num_tokens, end == len(seq.token_ids))
         self._budget -= num_tokens
 
     def _preempt(self, seq: Sequence, chunks: dict[int, ScheduledChunk]) -> None:

@@ -88,6 +88,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def validate_prompt(prompt_token_ids: list[int]) -> None:
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids: must hold at least one token")
+    if not all(_is_int(t) and t >= 0 for t in prompt_token_ids):
+        raise ValueError("prompt_token_ids: must be ints >= 0")
+
+
 class Sequence:
     """One request: its tokens, its KV bookkeeping (block table, computed tokens) and its lifecycle."""
 
@@ -116,10 +123,7 @@ class Sequence:
         adapter: str | None = None,
     ) -> None:
         prompt = list(prompt_token_ids)
-        if not prompt:
-            raise ValueError("prompt_token_ids: must hold at least one token")
-        if not all(_is_int(t) and t >= 0 for t in prompt):
-            raise ValueError("prompt_token_ids: must be ints >= 0")
+        validate_prompt(prompt)
         self.seq_id = next(Sequence._ids)
         self.request_id = request_id if request_id is not None else f"req-{self.seq_id}"
         self.prompt_token_ids = prompt

@@ -1,8 +1,9 @@
 """Load a Hugging Face folder's safetensors weights straight onto the run device (never pickle).
 
 Single ``model.safetensors`` or shards listed by ``model.safetensors.index.json``. Tensors are matched to
-``CausalLM`` parameters by name; a missing or unexpected tensor is an error naming it. The model is built
-on the meta device first, so no host copy of the weights is ever made.
+``CausalLM`` parameters by name (q/k/v and gate/up land in row ranges of the packed projections); a missing or
+unexpected tensor is an error naming it. Parameters are allocated once on the device and filled in place, so
+no host copy of the weights is ever made.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
 from loraplane.server.artifacts.base_hash import compute_base_hash
 
-from .model import CausalLM
+from .model import PACKED_MODULES, CausalLM, packed_output_sizes
 from .model_config import ModelConfig
 
 # Buffers some checkpoints carry that the engine recomputes.
@@ -50,23 +50,39 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return found
 
 
-def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    module_name, _, attr = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    old = getattr(module, attr)
-    if tuple(old.shape) != tuple(tensor.shape):
-        raise WeightsError(f"tensor {name}: shape {tuple(tensor.shape)} does not match config {tuple(old.shape)}")
-    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+def hf_layout(model: CausalLM) -> dict[str, tuple[str, int, int]]:
+    """HF tensor name -> (our parameter name, first row, row count). Packed members own a row range."""
+    cfg, sizes = model.config, packed_output_sizes(model.config)
+    layout = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        module, _, kind = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        if leaf in PACKED_MODULES:
+            first = 0
+            for member, rows in zip(PACKED_MODULES[leaf], sizes[leaf], strict=True):
+                layout[f"{parent}.{member}.{kind}"] = (name, first, rows)
+                first += rows
+        else:
+            layout[name] = (name, 0, p.shape[0])
+    if cfg.tie_word_embeddings:
+        layout.pop("lm_head.weight", None)
+    return layout
+
+
+def hf_state_dict(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The model's weights under Hugging Face names (views into the packed tensors, no copies)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {hf: params[ours][first : first + rows] for hf, (ours, first, rows) in hf_layout(model).items()}
 
 
 def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> CausalLM:
     """Build CausalLM(cfg) and fill it from the folder's safetensors on ``device`` in ``dtype``."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
-        model = CausalLM(cfg)
-    expected = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-    if cfg.tie_word_embeddings:
-        expected.discard("lm_head.weight")
+        model = CausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)  # uninitialised, filled below
+    params = dict(model.named_parameters(remove_duplicate=False))
+    layout = hf_layout(model)
     loaded: set[str] = set()
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
@@ -75,11 +91,18 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue  # some tied checkpoints still store it; the embedding is the truth
-                if name not in expected:
+                if name not in layout:
                     raise WeightsError(f"{path.name}: unexpected tensor {name} for {cfg.model_type}")
-                _set_param(model, name, f.get_tensor(name).to(dtype))
+                ours, first, rows = layout[name]
+                target = params[ours].data[first : first + rows]
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise WeightsError(
+                        f"tensor {name}: shape {tuple(tensor.shape)} does not match config {tuple(target.shape)}"
+                    )
+                target.copy_(tensor)
                 loaded.add(name)
-    missing = sorted(expected - loaded)
+    missing = sorted(set(layout) - loaded)
     if missing:
         raise WeightsError(f"{model_dir}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     model.tie_weights()

@@ -8,14 +8,17 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: s3_servers, adapter_factory
+# --import-mode=importlib adds nothing to sys.path: make tests/ (s3_servers, adapter_factory) and this
+# folder (tamper helpers) importable.
+for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().parent):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
 from adapter_factory import make_base_folder, make_keys  # noqa: E402
 from s3_servers import SeaweedUnavailable, moto_server, seaweedfs_server  # noqa: E402
 
 from loraplane.server.artifacts.base_hash import compute_base_hash  # noqa: E402
 from loraplane.server.artifacts.s3 import RetryPolicy  # noqa: E402
-
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from adapter_factory import build_signed_adapter, push_adapter
+from adapter_factory import build_signed_adapter, publish_adapter, push_adapter
 
 from loraplane.server.artifacts import errors as E
 from loraplane.server.artifacts.cache import HostCache
@@ -12,7 +12,9 @@ from loraplane.server.artifacts.verify import fetch_verified_manifest
 
 
 def test_manifest_roundtrip_and_digest(tmp_path, keys, base_dir, base_hash):
-    adapter = build_signed_adapter(tmp_path / "a", name="demo", version="v1", keys=keys, base_dir=base_dir, alpha=16)
+    adapter = build_signed_adapter(
+        tmp_path / "a", name="demo", version="v1", keys=keys, base_dir=base_dir, alpha=16
+    )
     raw = (adapter.folder / MANIFEST_FILE).read_bytes()
     manifest = Manifest.from_json(raw)
     assert manifest == adapter.manifest
@@ -29,7 +31,12 @@ def test_fetch_verified_manifest(tmp_path, keys, base_dir, base_hash, s3, bucket
     uri = push_adapter(adapter.folder, s3, bucket)
     assert uri == f"s3://{bucket}/demo/v1/"
     verified = fetch_verified_manifest(
-        uri, trusted_keys=keys.trusted, expected_base_hash=base_hash, pinned_digest=adapter.digest, max_rank=8, s3_client=s3
+        uri,
+        trusted_keys=keys.trusted,
+        expected_base_hash=base_hash,
+        pinned_digest=adapter.digest,
+        max_rank=8,
+        s3_client=s3,
     )
     assert verified.digest == adapter.digest and verified.key_id == keys.key_id
     assert verified.manifest.name == "demo"
@@ -43,20 +50,46 @@ def test_pull_then_hit_without_download(tmp_path, keys, base_dir, base_hash, s3,
     assert local.digest == adapter.digest
     assert local.weights_path.read_bytes() == (adapter.folder / "adapter_model.safetensors").read_bytes()
     assert sorted(p.name for p in local.path.iterdir()) == sorted(
-        ["adapter_config.json", "adapter_model.safetensors", "loraplane-manifest.json", "loraplane-manifest.sig"]
+        [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "loraplane-manifest.json",
+            "loraplane-manifest.sig",
+        ]
     )
-    again = cache.pull(uri, trusted_keys=keys.trusted, expected_base_hash=base_hash, pinned_digest=adapter.digest)
+    again = cache.pull(
+        uri, trusted_keys=keys.trusted, expected_base_hash=base_hash, pinned_digest=adapter.digest
+    )
     assert again.path == local.path
     stats = cache.stats()
     assert stats["downloads"] == 2 and stats["hits"] >= 1 and stats["adapters"] == 1
 
 
 def test_push_refuses_another_version_under_same_prefix(tmp_path, keys, base_dir, s3, bucket):
-    first = build_signed_adapter(tmp_path / "a", name="demo", version="v1", keys=keys, base_dir=base_dir, seed=1)
-    other = build_signed_adapter(tmp_path / "b", name="demo", version="v1", keys=keys, base_dir=base_dir, seed=2)
+    first = build_signed_adapter(
+        tmp_path / "a", name="demo", version="v1", keys=keys, base_dir=base_dir, seed=1
+    )
+    other = build_signed_adapter(
+        tmp_path / "b", name="demo", version="v1", keys=keys, base_dir=base_dir, seed=2
+    )
     push_adapter(first.folder, s3, bucket)
     push_adapter(first.folder, s3, bucket)  # idempotent for the same manifest
     with pytest.raises(E.ArtifactError) as err:
         push_adapter(other.folder, s3, bucket)
     assert err.value.reason == E.VERSION_EXISTS
     push_adapter(other.folder, s3, bucket, force=True)
+
+
+def test_publish_adapter_helper(tmp_path, keys, base_hash, s3, bucket):
+    published = publish_adapter(
+        tmp_path, s3, bucket, name="helper", version="v3", keys=keys, base_hash=base_hash, rank=2
+    )
+    assert published.uri == f"s3://{bucket}/helper/v3/"
+    verified = fetch_verified_manifest(
+        published.uri,
+        trusted_keys=keys.trusted,
+        expected_base_hash=base_hash,
+        pinned_digest=published.digest,
+        s3_client=s3,
+    )
+    assert verified.manifest.max_rank == 2

@@ -38,7 +38,9 @@ def _no_duplicates(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = F
     keys = [loader.construct_object(key, deep=deep) for key, _ in node.value]
     dupes = {k for k in keys if keys.count(k) > 1}
     if dupes:
-        raise yaml.constructor.ConstructorError(None, None, f"duplicate keys {sorted(dupes)}", node.start_mark)
+        raise yaml.constructor.ConstructorError(
+            None, None, f"duplicate keys {sorted(dupes)}", node.start_mark
+        )
     return loader.construct_mapping(node, deep=deep)
 
 
@@ -88,7 +90,9 @@ def template(
     with tempfile.TemporaryDirectory() as tmp:
         if overrides:
             extra = Path(tmp) / "overrides.yaml"
-            extra.write_text(yaml.safe_dump(overrides))
+            extra.write_text(
+                json.dumps(overrides)
+            )  # JSON is YAML, and quotes every string (Go reads `y` as true)
             args += ["--values", str(extra)]
         result = helm(binary, *args, check=check)
     if not check:
@@ -172,3 +176,23 @@ def closed(schema: dict) -> dict:
     # metadata is the API server's business, not the CRD's.
     schema.get("properties", {}).get("metadata", {}).pop("additionalProperties", None)
     return schema
+
+
+def values_table() -> str:
+    """The chart README's values table, generated from values.schema.json and values.yaml.
+
+    Regenerate with: .venv/bin/python -c "from tests.chart.chart import values_table; print(values_table())"
+    """
+    schema, defaults = values_schema(), yaml.safe_load((CHART / "values.yaml").read_text())
+    rows = ["| Key | Type | Default | Description |", "|---|---|---|---|"]
+    for path, node in schema_leaves(schema):
+        kind = "/".join(node["type"]) if isinstance(node.get("type"), list) else node.get("type")
+        if node.get("enum"):
+            kind += " (" + ", ".join(f"`{json.dumps(e) if e == '' else e}`" for e in node["enum"]) + ")"
+        default = defaults
+        for key in path.split("."):
+            default = default[key]
+        rows.append(
+            f"| `{path}` | {kind} | `{json.dumps(default)}` | {node['description'].replace('|', '/')} |"
+        )
+    return "\n".join(rows) + "\n"

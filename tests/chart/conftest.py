@@ -7,14 +7,7 @@ from pathlib import Path
 import pytest
 
 from tests.chart.chart import CI_VALUES, ensure_tools
-
-try:
-    from tests.kube.fixtures import kube_emulator  # noqa: F401
-except ImportError:  # the emulator's fixtures land with the kube test infrastructure
-
-    @pytest.fixture
-    def kube_emulator():
-        pytest.skip("tests.kube.fixtures (the Kubernetes API emulator) is not available yet")
+from tests.kube.fixtures import kube_emulator  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,8 @@ manifests validated strictly against the Kubernetes 1.37 schemas and the CRDs' o
 
 from __future__ import annotations
 
+import json
+
 import jsonschema
 import kubernetes_validate
 import pytest
@@ -91,3 +93,17 @@ def test_service_monitor_selects_the_metrics_service(helm_bins):
     monitor, service = rendered.one("ServiceMonitor"), rendered.one("Service")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
     assert {p["name"] for p in service["spec"]["ports"]} >= {e["port"] for e in monitor["spec"]["endpoints"]}
+
+
+@pytest.mark.parametrize("overrides", [{}, {"watchAllNamespaces": True}, {"watchNamespaces": ["ml"]}])
+def test_notes_say_the_next_step(helm_bins, overrides):
+    args = ["install", "--dry-run=client", "lp", str(CHART), "--namespace", NAMESPACE]
+    for key, value in overrides.items():
+        args += ["--set-json", f"{key}={json.dumps(value)}"]
+    out = helm(helm_bins["helm4"], *args).stdout
+    notes = out.split("NOTES:\n", 1)[1].strip().splitlines()
+    assert len(notes) <= 6
+    text = "\n".join(notes)
+    assert "kubectl apply" in text and "lorabase" in text and "loraadapter" in text
+    assert ("every namespace" in text) == bool(overrides.get("watchAllNamespaces"))
+    assert f"-n {NAMESPACE}" in text

@@ -111,7 +111,9 @@ def test_schema_refuses_unknown_keys_at_every_level(helm_bin):
 
 
 def test_contradictory_values_fail_with_a_message(helm_bins):
-    result = template(helm_bins["helm4"], overrides={"watchAllNamespaces": True, "watchNamespaces": ["a"]}, check=False)
+    result = template(
+        helm_bins["helm4"], overrides={"watchAllNamespaces": True, "watchNamespaces": ["a"]}, check=False
+    )
     assert result.returncode != 0 and "watchNamespaces must be empty" in result.stderr
     result = template(helm_bins["helm4"], overrides={"exampleBase": {"enabled": True}}, check=False)
     assert result.returncode != 0 and "exampleBase.model.uri is required" in result.stderr

@@ -3,10 +3,21 @@ and every key has an effect on the rendered manifests."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
-from tests.chart.chart import CHART, CI_VALUES, is_string_map, resolve, schema_leaves, template, values_schema
+from tests.chart.chart import (
+    CHART,
+    CI_VALUES,
+    is_string_map,
+    resolve,
+    schema_leaves,
+    template,
+    values_schema,
+    values_table,
+)
 
 # For each leaf: (a different value, other values it needs to matter). Applied on top of ci/ci-values.yaml,
 # where every optional feature is on. A key missing here fails test_every_leaf_has_a_change.
@@ -23,7 +34,7 @@ CHANGES: dict[str, tuple[object, dict]] = {
     "rbac.create": (False, {}),
     "watchAllNamespaces": (False, {}),
     "watchNamespaces": (["team-a"], {"watchAllNamespaces": False}),
-    "operator.logLevel": ("warning", {}),
+    "operator.logLevel": ("info", {}),
     "operator.driftCheckIntervalSeconds": (120, {}),
     "operator.healthPort": (8081, {}),
     "metrics.port": (9191, {}),
@@ -31,7 +42,7 @@ CHANGES: dict[str, tuple[object, dict]] = {
     "resources.requests.memory": ("192Mi", {}),
     "resources.limits.cpu": ("1", {}),
     "resources.limits.memory": ("512Mi", {}),
-    "podAnnotations": ({"example.com/other": "y"}, {}),
+    "podAnnotations": ({"example.com/other": "blue"}, {}),
     "nodeSelector": ({"example.com/pool": "system"}, {}),
     "tolerations": ([{"key": "other", "operator": "Exists"}], {}),
     "priorityClassName": ("other-priority", {}),
@@ -58,7 +69,9 @@ NO_OP_BY_DESIGN: dict[str, str] = {}
 def merge(base: dict, extra: dict) -> dict:
     out = dict(base)
     for key, value in extra.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = (
+            merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        )
     return out
 
 
@@ -105,8 +118,12 @@ def test_values_yaml_matches_schema_keys():
 
 def test_readme_documents_every_key():
     readme = (CHART / "README.md").read_text()
-    missing = [path for path in leaf_paths() if f"`{path}`" not in readme]
+    missing = [path for path in leaf_paths() if f"| `{path}` |" not in readme]
     assert not missing, f"charts/loraplane/README.md lacks {missing}"
+    assert values_table() in readme, (
+        "charts/loraplane/README.md's values table is stale; regenerate it with "
+        '.venv/bin/python -c "from tests.chart.chart import values_table; print(values_table())"'
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,11 +135,22 @@ def ci_values() -> dict:
 def test_each_value_has_an_effect(helm_bins, ci_values, path):
     value, context = CHANGES[path]
     base = merge(ci_values, context)
-    before = template(helm_bins["helm4"], overrides=base).text
+    before = _render_cached(helm_bins["helm4"], base)
     changed = merge(base, _nested(path, value))
     after = template(helm_bins["helm4"], overrides=changed).text
     assert changed != base, f"CHANGES[{path!r}] equals the CI value; pick another"
     assert before != after, f"setting {path} to {value!r} changed nothing in the rendered chart"
+
+
+_RENDERS: dict[str, str] = {}
+
+
+def _render_cached(binary, values: dict) -> str:
+    """Most cases share the same base values; render each distinct base once."""
+    key = json.dumps(values, sort_keys=True)
+    if key not in _RENDERS:
+        _RENDERS[key] = template(binary, overrides=values).text
+    return _RENDERS[key]
 
 
 def _nested(dotted: str, value) -> dict:

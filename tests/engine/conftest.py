@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
 from loraplane.server.engine.scheduler import ScheduledBatch
 
 TINY_DIMS = dict(

@@ -20,7 +20,7 @@ from loraplane.server.engine.attention import (  # noqa: E402
     paged_decode_ref,
     write_kv,
 )
-from loraplane.server.engine.fused_ops import apply_rope_, rmsnorm, rope_ref, silu_mul  # noqa: E402
+from loraplane.server.engine.fused_ops import rmsnorm, rope_and_store_kv, rope_ref, silu_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -37,10 +37,10 @@ def _paged_cache(num_blocks, block_size, heads, dim, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("hq", "hkv", "block_size"), [(4, 2, 4), (9, 3, 16), (8, 8, 16)])
-def test_paged_decode_matches_reference(dtype, hq, hkv, block_size):
+@pytest.mark.parametrize(("hq", "hkv", "block_size", "D"), [(4, 2, 4, 64), (9, 3, 16, 64), (8, 8, 16, 80)])
+def test_paged_decode_matches_reference(dtype, hq, hkv, block_size, D):
     torch.manual_seed(0)
-    D, B = 64, 5
+    B = 5
     k_cache, v_cache = _paged_cache(48, block_size, hkv, D, dtype)
     seq_lens = torch.tensor([1, 7, 33, 70, 150], dtype=torch.int32, device=DEVICE)[:B]
     width = -(-int(seq_lens.max()) // block_size)
@@ -114,7 +114,9 @@ def test_paged_attention_mixed_prefill_and_decode_rows():
         scores = torch.einsum("qhd,khd->hqk", qs, kk) * D**-0.5
         n, L = qs.shape[0], kk.shape[0]
         mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
-        return torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask.to(DEVICE), float("-inf")).softmax(-1), vv)
+        return torch.einsum(
+            "hqk,khd->qhd", scores.masked_fill(~mask.to(DEVICE), float("-inf")).softmax(-1), vv
+        )
 
     ref = torch.cat([causal_ref(q[:3], fresh_k, fresh_v), causal_ref(q[3:5], ks["A"][:8], vs["A"][:8]),
                      causal_ref(q[5:], ks["B"][:6], vs["B"][:6])])  # fmt: skip
@@ -134,11 +136,35 @@ def test_fused_rmsnorm_with_residual_matches_reference(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_fused_silu_mul_and_rope_match_reference(dtype):
-    g, u = torch.randn(3, 1500, dtype=dtype, device=DEVICE), torch.randn(3, 1500, dtype=dtype, device=DEVICE)
-    assert rel_err(silu_mul(g, u, triton_=True), silu_mul(g, u, triton_=False)) < TOL[dtype]
-    freqs = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, 16, 2.0) / 16)).to(DEVICE)
-    x = torch.randn(4, 3, 16, dtype=dtype, device=DEVICE)
-    pos = torch.tensor([0, 5, 63, 2], device=DEVICE)
-    ref = rope_ref(x, pos, freqs.cos(), freqs.sin())
-    assert rel_err(apply_rope_(x.clone(), pos, freqs.cos(), freqs.sin(), triton_=True), ref) < TOL[dtype]
+def test_fused_silu_mul_matches_reference(dtype):
+    gate_up = torch.randn(3, 3000, dtype=dtype, device=DEVICE)
+    ref = torch.nn.functional.silu(gate_up[:, :1500].float()) * gate_up[:, 1500:].float()
+    assert rel_err(silu_mul(gate_up, triton_=True), ref) < TOL[dtype]
+    assert rel_err(silu_mul(gate_up, triton_=False), ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("hq", "hkv", "D"), [(4, 2, 16), (9, 3, 64), (8, 2, 80)])
+def test_fused_rope_and_kv_store_matches_reference(dtype, hq, hkv, D):
+    T, bs = 5, 4
+    freqs = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, D, 2.0) / D)).to(DEVICE)
+    cos, sin = freqs.cos(), freqs.sin()
+    qkv = torch.randn(T, hq + 2 * hkv, D, dtype=dtype, device=DEVICE)
+    pos = torch.tensor([0, 5, 63, 2, 9], device=DEVICE)
+    slots = torch.tensor([3, 17, -1, 0, 9], device=DEVICE)  # -1: a padding row, nothing stored
+    caches = {}
+    for use_triton in (False, True):
+        x = qkv.clone()
+        k_cache, v_cache = torch.zeros(2, 6, bs, hkv, D, dtype=dtype, device=DEVICE)
+        s = slots if use_triton else slots.clamp(min=0).where(slots >= 0, 23)  # torch path: spare slot 23
+        rope_and_store_kv(x, hq, hkv, pos, cos, sin, k_cache, v_cache, s, triton_=use_triton)
+        caches[use_triton] = (x, k_cache.view(-1, hkv, D)[:23], v_cache.view(-1, hkv, D)[:23])
+    ref_q = rope_ref(qkv[:, :hq], pos, cos, sin)
+    ref_k = rope_ref(qkv[:, hq : hq + hkv], pos, cos, sin)
+    for x, kc, vc in caches.values():
+        assert rel_err(x[:, :hq], ref_q) < TOL[dtype] and rel_err(x[:, hq : hq + hkv], ref_k) < TOL[dtype]
+        assert torch.equal(x[:, hq + hkv :], qkv[:, hq + hkv :])  # v is not rotated
+        keep = slots >= 0
+        assert torch.equal(kc[slots[keep]], x[keep, hq : hq + hkv])
+        assert torch.equal(vc[slots[keep]], x[keep, hq + hkv :])
+    assert torch.equal(caches[True][1], caches[False][1]) or dtype != torch.float32

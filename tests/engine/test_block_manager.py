@@ -98,8 +98,10 @@ def test_max_tokens_fitting():
     assert bm.max_tokens_fitting(seq) == 3 * 4 - 6
 
 
-@pytest.mark.parametrize(("kwargs", "field"), [({"num_blocks": 0}, "num_blocks"), ({"block_size": 0}, "block_size"),
-                                                ({"watermark": 1.0}, "watermark")])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"num_blocks": 0}, "num_blocks"), ({"block_size": 0}, "block_size"), ({"watermark": 1.0}, "watermark")],
+)
 def test_bad_arguments_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         BlockManager(**{"num_blocks": 4, "block_size": 4, **kwargs})

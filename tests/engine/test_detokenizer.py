@@ -35,6 +35,13 @@ def test_streams_multibyte_characters_without_replacement_chars(byte_bpe_tokeniz
     assert sum(1 for d in deltas if d) > 5  # it really streamed
 
 
+def test_plain_tokenizers_object_works_too(byte_bpe_tokenizer):
+    raw = byte_bpe_tokenizer.backend_tokenizer  # a tokenizers.Tokenizer: same duck type, no HF wrapper
+    output = raw.encode(TEXT).ids
+    deltas, _, _ = stream(raw, [], output)
+    assert "".join(deltas) == TEXT
+
+
 def test_first_token_keeps_its_leading_space(byte_bpe_tokenizer):
     tok = byte_bpe_tokenizer
     prompt, output = tok.encode("héllo"), tok.encode(" 世界 again")
@@ -58,7 +65,9 @@ def test_stop_string_truncates_and_is_never_streamed_in_part(byte_bpe_tokenizer)
 
 def test_earliest_of_several_stop_strings_wins(byte_bpe_tokenizer):
     tok = byte_bpe_tokenizer
-    deltas, stopped, detok = stream(tok, [], tok.encode("hello world, hello tokens"), stop=("tokens", "world"))
+    deltas, stopped, detok = stream(
+        tok, [], tok.encode("hello world, hello tokens"), stop=("tokens", "world")
+    )
     assert stopped is not None
     assert detok.stopped_on == "world"
     assert "".join(deltas) == "hello "

@@ -13,7 +13,9 @@ from loraplane.server.engine.sequence import SamplingParams
 
 def make_engine(fake_runner_cls, tokenizer=None, max_num_seqs=8, max_num_batched_tokens=64, **runner_kwargs):
     runner = fake_runner_cls(**runner_kwargs)
-    config = EngineConfig(model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    config = EngineConfig(
+        model="fake", max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
     return LLMEngine(config, runner=runner, tokenizer=tokenizer), runner
 
 
@@ -37,7 +39,9 @@ def test_batch_of_different_lengths_matches_reference(fake_runner_cls):
     engine, runner = make_engine(fake_runner_cls, num_kv_blocks=256)
     batch = prompts(6, seed=1)
     assert engine.generate(batch, GREEDY_64) == [runner.reference(p, 64) for p in batch]
-    assert any(len(b.chunks) > 1 and not b.is_decode_only for b in runner.batches)  # mixed prefill + decode steps
+    assert any(
+        len(b.chunks) > 1 and not b.is_decode_only for b in runner.batches
+    )  # mixed prefill + decode steps
 
 
 def test_preemption_keeps_outputs_exact(fake_runner_cls):
@@ -47,7 +51,14 @@ def test_preemption_keeps_outputs_exact(fake_runner_cls):
     outputs = engine.generate(batch, GREEDY_64)
     assert engine.num_preemptions > 0
     assert outputs == [runner.reference(p, 64) for p in batch]
-    assert engine.scheduler.block_manager.num_free_blocks == 24
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_free_kv_blocks, stats.num_kv_blocks) == (
+        0,
+        0,
+        24,
+        24,
+    )
+    assert stats.num_preemptions == engine.num_preemptions
 
 
 def test_chunked_prefill_keeps_outputs_exact(fake_runner_cls):
@@ -65,7 +76,6 @@ def test_finish_reasons(fake_runner_cls):
     ref = runner.reference(prompt, 30)
     stop_token = ref[5]
     first = ref.index(stop_token)
-    runner.eos_token_ids = ()
 
     def finish(sampling, eos=()):
         engine.eos_token_ids = frozenset(eos)

@@ -37,7 +37,9 @@ def hf_logits(model_dir, tokens: list[int]) -> torch.Tensor:
 
 
 def make_runner(model_dir, **kw) -> ModelRunner:
-    cfg = EngineConfig(model=str(model_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=128, **kw)
+    cfg = EngineConfig(
+        model=str(model_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=128, **kw
+    )
     return ModelRunner(cfg)
 
 
@@ -107,19 +109,23 @@ def test_mixed_batch_matches_transformers(make_hf_model):
 def test_llama3_rope_scaling_matches_transformers(make_hf_model):
     model_dir = make_hf_model("llama", rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)
     cfg = ModelConfig.from_pretrained(model_dir)
-    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3" and cfg.rope_theta == 500000.0
+    assert (
+        cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == "llama3" and cfg.rope_theta == 500000.0
+    )
     tokens = random.Random(4).choices(range(256), k=150)  # beyond original_max_position_embeddings
     ref = hf_logits(model_dir, tokens)
     runner = make_runner(model_dir)
     ps = PagedSeq(tokens, scattered_blocks())
-    rows = [runner.forward_logits(ScheduledBatch([ps.chunk(n)]))[0] for n in (140, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)]
+    rows = [
+        runner.forward_logits(ScheduledBatch([ps.chunk(n)]))[0] for n in (140, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1)
+    ]
     assert rel_err(torch.stack(rows), ref[139:]) < 1e-4
 
 
 def test_tied_embeddings_share_one_tensor(tiny_qwen2_dir):
     runner = make_runner(tiny_qwen2_dir)
     assert runner.model.lm_head.weight is runner.model.model.embed_tokens.weight
-    assert runner.model_config.qkv_bias and runner.model.model.layers[0].self_attn.q_proj.bias is not None
+    assert runner.model_config.qkv_bias and runner.model.model.layers[0].self_attn.qkv_proj.bias is not None
 
 
 def _config(tmp_path, **fields) -> str:
@@ -157,8 +163,16 @@ def test_unsupported_config_is_refused_naming_the_field(tmp_path, fields, named)
 
 
 def test_config_reads_both_rope_layouts(tmp_path):
-    v5 = ModelConfig.from_dict(json.loads(_config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1e5}).joinpath("config.json").read_text()))
-    v4 = ModelConfig.from_dict(json.loads(_config(tmp_path, rope_theta=1e5).joinpath("config.json").read_text()))
+    v5 = ModelConfig.from_dict(
+        json.loads(
+            _config(tmp_path, rope_parameters={"rope_type": "default", "rope_theta": 1e5})
+            .joinpath("config.json")
+            .read_text()
+        )
+    )
+    v4 = ModelConfig.from_dict(
+        json.loads(_config(tmp_path, rope_theta=1e5).joinpath("config.json").read_text())
+    )
     assert v5.rope_theta == v4.rope_theta == 1e5 and v5.rope_scaling is None
     # a Mistral window that covers max_model_len is plain causal attention
     ok = ModelConfig.from_dict({**json.loads((tmp_path / "config.json").read_text()), "model_type": "mistral",

@@ -82,7 +82,11 @@ def test_long_prompt_is_chunked_and_samples_only_at_the_end():
     sched = make_scheduler(max_tokens_per_step=16)
     seq = add(sched, 40, max_tokens=2)
     chunks = [step(sched).chunks[0] for _ in range(3)]
-    assert [(c.start, c.num_tokens, c.sample) for c in chunks] == [(0, 16, False), (16, 16, False), (32, 8, True)]
+    assert [(c.start, c.num_tokens, c.sample) for c in chunks] == [
+        (0, 16, False),
+        (16, 16, False),
+        (32, 8, True),
+    ]
     assert seq.num_output_tokens == 1
 
 
@@ -112,7 +116,9 @@ def test_long_prompt_neither_starves_nor_is_starved():
         steps_until_long_sampled += 1
         assert all(s.num_tokens == before[s.seq_id] + 1 for s in short), "decodes starved by the long prompt"
         assert long.num_computed_tokens > prefilled_before or long.num_output_tokens, "long prompt starved"
-        assert later.num_computed_tokens == 0 or long.num_output_tokens, "later arrival overtook the long prompt"
+        assert later.num_computed_tokens == 0 or long.num_output_tokens, (
+            "later arrival overtook the long prompt"
+        )
         assert batch.num_tokens <= 8
     assert steps_until_long_sampled == 25  # 100 tokens at 8 - 4 decodes per step
     run_to_completion(sched)
@@ -152,7 +158,8 @@ def test_out_of_blocks_preempts_the_youngest_and_requeues_it_first():
 
 def test_recompute_prefills_prompt_plus_output():
     sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=16)
-    old, young = add(sched, 7, max_tokens=9), add(sched, 7, max_tokens=6)
+    add(sched, 7, max_tokens=9)
+    young = add(sched, 7, max_tokens=6)
     for _ in range(3):
         step(sched)
     assert young.status is SequenceStatus.PREEMPTED
@@ -164,7 +171,9 @@ def test_recompute_prefills_prompt_plus_output():
 
 
 def test_several_preemptions_keep_arrival_order():
-    sched = make_scheduler(num_blocks=6, block_size=2, max_num_seqs=8, max_tokens_per_step=64, max_model_len=12)
+    sched = make_scheduler(
+        num_blocks=6, block_size=2, max_num_seqs=8, max_tokens_per_step=64, max_model_len=12
+    )
     seqs = [add(sched, 3, max_tokens=8) for _ in range(3)]
     late = add(sched, 1, max_tokens=1)
     preempted_order = []
@@ -222,8 +231,13 @@ def test_lone_sequence_uses_the_whole_cache_despite_watermark():
 @pytest.mark.parametrize("seed", range(6))
 def test_random_workload_respects_limits_and_finishes(seed):
     rng = random.Random(seed)
-    sched = make_scheduler(num_blocks=rng.randint(6, 16), block_size=rng.choice([1, 2, 4]),
-                           max_num_seqs=rng.randint(2, 8), max_tokens_per_step=rng.randint(4, 24), max_model_len=32)
+    sched = make_scheduler(
+        num_blocks=rng.randint(6, 16),
+        block_size=rng.choice([1, 2, 4]),
+        max_num_seqs=rng.randint(2, 8),
+        max_tokens_per_step=rng.randint(4, 24),
+        max_model_len=32,
+    )
     seqs = []
     for _ in range(200):
         if rng.random() < 0.3 and len(seqs) < 25:

@@ -87,3 +87,17 @@ def test_sequence_ids_increase_and_bad_prompts_are_refused():
         Sequence([])
     with pytest.raises(ValueError, match="prompt_token_ids"):
         Sequence([1, -2])
+
+
+def test_scheduling_side_imports_without_torch():
+    """The scheduling side must run where torch is absent (and never drag transformers in)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import loraplane.server.engine.async_engine, loraplane.server.engine.llm_engine\n"
+        "heavy = [m for m in ('torch', 'transformers', 'tokenizers', 'numpy', 'triton') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

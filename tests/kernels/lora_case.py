@@ -73,7 +73,12 @@ def make_case(
         for s in range(spec.num_slices):
             pool.write(slot, 0, module, s, As[s], Bs[s])
         resident.append(slot)
-        dense[slot] = (r, pool.scale_of(slot), [a.to(dtype).double() for a in As], [b.to(dtype).double() for b in Bs])
+        dense[slot] = (
+            r,
+            pool.scale_of(slot),
+            [a.to(dtype).double() for a in As],
+            [b.to(dtype).double() for b in Bs],
+        )
     active = resident[resident_extra // 2 : resident_extra // 2 + num_adapters]
     _poison_unowned(pool, set(active))
     requests, t, i = [], 0, 0

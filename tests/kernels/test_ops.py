@@ -10,10 +10,10 @@ import os
 
 import pytest
 import torch
-from tests.kernels.lora_case import make_case, rel_err
 
-from loraplane.kernels import lora_apply
+from loraplane.kernels import lora_apply, lora_expand, lora_shrink
 from loraplane.kernels.triton_ops import LaunchConfig, pick_config, shrink_triton
+from tests.kernels.lora_case import make_case, rel_err
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU Triton needs TRITON_INTERPRET=1")
@@ -77,20 +77,30 @@ def test_triton_interpreted_large(T, n, ranks, module, per_req, tile_m):
     _check(case, _run(case, "triton"), torch.float32)
 
 
-@needs_interpreter
+CONFIGS = {
+    "split4-strided": LaunchConfig(
+        block_r=16, shrink_block_r=16, block_k=32, block_n=16, n_chunk=16, split_k=4, shrink_programs=3,
+        expand_programs=5,
+    ),
+    "split2-chunk32": LaunchConfig(block_r=32, shrink_block_r=32, block_k=64, block_n=16, n_chunk=32, split_k=2),
+    "fullrank": LaunchConfig(block_r=128, shrink_block_r=128, block_k=16, block_n=16, n_chunk=16, expand_programs=1),
+    "fused-chunked-rank": LaunchConfig(block_r=16, block_k=32, block_n=16, n_chunk=16, fused=True, expand_programs=3),
+    "fused-fullrank": LaunchConfig(block_r=128, block_k=64, block_n=32, n_chunk=32, fused=True),
+}  # fmt: skip
+
+
 @pytest.mark.parametrize(
-    "cfg",
-    [
-        LaunchConfig(block_r=16, block_k=32, block_n=16, split_k=4, shrink_programs=3, expand_programs=5),
-        LaunchConfig(block_r=32, block_k=64, block_n=32, split_k=2),
-        LaunchConfig(block_r=128, block_k=16, block_n=16, split_k=1, expand_programs=1),
-    ],
-    ids=["split4-strided", "split2", "fullrank"],
+    "device", [pytest.param("cpu", marks=needs_interpreter), pytest.param("cuda", marks=pytest.mark.gpu)]
 )
-def test_triton_launch_configs(cfg):
-    """Split-K planes, grid-stride loops over tiles and rank chunks all give the same answer."""
-    case = make_case(num_tokens=20, num_adapters=6, ranks=MIXED, module="down", tokens_per_request=3)
-    _check(case, _run(case, "triton", cfg), torch.float32)
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_triton_launch_configs(name, device):
+    """Split-K planes, grid-stride loops over tiles, column chunks, rank chunks and the fused
+    shrink-in-expand all give the same answer."""
+    case = make_case(
+        num_tokens=20, num_adapters=6, ranks=MIXED, module="down", tokens_per_request=3, device=device
+    )
+    y = _run(case, "triton", CONFIGS[name])
+    _check(case, y, torch.float32) if device == "cpu" else _check_band(case, y, 1e-3)
 
 
 @needs_interpreter
@@ -105,9 +115,11 @@ def test_shrink_writes_every_read_entry():
     """v is poisoned with NaN; every (plane, slice, adapter token, j < rank) entry must be written."""
     case = make_case(num_tokens=12, num_adapters=5, ranks=MIXED, module="qkv", tokens_per_request=2)
     spec = case.pool.modules["qkv"]
-    cfg = LaunchConfig(block_r=16, block_k=32, split_k=2)
+    cfg = LaunchConfig(block_r=16, block_k=32, n_chunk=16, block_n=16, split_k=2)
     v = torch.full((2, spec.num_slices, 12, 128), float("nan"))
-    shrink_triton(case.x, case.pool.a[(0, "qkv")], case.pool.page_table, case.pool.ranks, case.meta, 8, 128, cfg, v)
+    shrink_triton(
+        case.x, case.pool.a[(0, "qkv")], case.pool.page_table, case.pool.ranks, case.meta, 8, 128, cfg, v
+    )
     total = v.sum(0)
     for t, slot in enumerate(case.meta.token_slot[:12].tolist()):
         if slot < 0:
@@ -147,7 +159,8 @@ def test_bad_inputs_name_the_field():
 
 
 GPU_CASES = [
-    (1, 1, (16,), "q", 1, 16, False),
+    (1, 1, (16,), "q", 1, 16, True),
+    (2, 2, MIXED, "gate_up", 1, 16, True),
     (3, 3, MIXED, "qkv", 1, 16, True),
     (64, 64, MIXED, "qkv", 1, 16, True),
     (257, 64, MIXED, "gate_up", 1, 16, True),
@@ -158,7 +171,9 @@ GPU_CASES = [
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"]
+)
 @pytest.mark.parametrize("T,n,ranks,module,per_req,tile_m,capture", GPU_CASES)
 def test_triton_gpu(T, n, ranks, module, per_req, tile_m, capture, dtype):
     case = make_case(
@@ -177,3 +192,12 @@ def _check_band(case, y, band):
     assert torch.isnan(y[~rows]).all()
     err = rel_err(y[rows], case.ref[rows])
     assert err < band, f"seed={case.seed}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_interpreter)])
+def test_shrink_then_expand_pair(backend):
+    """The two-step API (engine may reuse one v for several projections) equals lora_apply."""
+    case = make_case(num_tokens=10, num_adapters=3, ranks=MIXED, module="gate_up", tokens_per_request=2)
+    v = lora_shrink(case.x, case.pool, 0, "gate_up", case.meta, backend=backend)
+    y = lora_expand(case.y0.clone(), v, case.pool, 0, "gate_up", case.meta, backend=backend)
+    _check(case, y, torch.float32)

@@ -11,8 +11,8 @@ SPEC = {"qkv": ModuleSpec(32, (32, 16, 16)), "down": ModuleSpec(48, (32,))}
 
 
 def _pool(pages: int, **kw) -> LoRAPool:
-    probe = LoRAPool(SPEC, 2, 1 << 30, dtype=torch.float16, max_adapters=1)
-    return LoRAPool(SPEC, 2, pages * probe.page_bytes + probe.page_bytes // 2, dtype=torch.float16, **kw)
+    page = LoRAPool.page_bytes_for(SPEC, 2, 8, torch.float16)
+    return LoRAPool(SPEC, 2, pages * page + page // 2, dtype=torch.float16, **kw)
 
 
 def test_budget_sets_pages_and_bytes_follow_rank():
@@ -67,7 +67,7 @@ def test_write_places_rows_and_zeroes_unwritten_rank():
     rows = pool.rows_of(slot)
     torch.testing.assert_close(pool.a[(1, "qkv")][2, rows[:20]].float(), a.half().float())
     torch.testing.assert_close(pool.bt[(1, "qkv")][rows[:20], 48:64].float(), b.t().half().float())
-    assert (pool.bt[(1, "qkv")][rows] [:, :48] == 0).all(), "stale rows of a reused page must read as zero"
+    assert (pool.bt[(1, "qkv")][rows][:, :48] == 0).all(), "stale rows of a reused page must read as zero"
     assert (pool.bt[(1, "qkv")][rows[20:]] == 0).all()
     with pytest.raises(ValueError, match="b must be"):
         pool.write(slot, 1, "qkv", 0, a, b)

@@ -1,7 +1,8 @@
 """Patch formats and selectors, as the API server applies them.
 
 - JSON merge patch (RFC 7386): dicts merge, ``null`` deletes, lists replace.
-- JSON patch (RFC 6902): add/remove/replace/move/copy/test; a failed ``test`` is a conflict.
+- JSON patch (RFC 6902): add/remove/replace/move/copy/test; any failure, a failed ``test`` included,
+  is answered 422 by the API server (kopf's optimistic ``test`` on resourceVersion expects exactly that).
 - Strategic merge patch: merge patch plus the common directives; lists of dicts that all carry a
   ``name`` merge by name (containers, env, ports, volumes...); other lists replace. Good enough for
   what kubectl apply sends for the built-ins; it knows no per-field patch strategies.
@@ -96,7 +97,9 @@ def json_patch(target: Any, operations: list[dict[str, Any]]) -> Any:
         if kind == "test":
             found = _get(doc, path)
             if found != op.get("value"):
-                raise PatchError(f"testing value {path} failed: {found!r} != {op.get('value')!r}", conflict=True)
+                raise PatchError(
+                    f"testing value {path} failed: {found!r} != {op.get('value')!r}", conflict=True
+                )
         elif kind == "add":
             doc = _put(doc, path, copy.deepcopy(op.get("value")), insert=True)
         elif kind == "replace":
@@ -209,19 +212,20 @@ def parse_label_selector(selector: str) -> list[tuple[str, str, tuple[str, ...]]
 
 
 def labels_match(labels: dict[str, str], requirements: list[tuple[str, str, tuple[str, ...]]]) -> bool:
-    for key, operator, values in requirements:
-        present, value = key in labels, labels.get(key)
-        ok = {
-            "=": present and value == values[0],
-            "!=": not present or value != values[0],
-            "in": present and value in values,
-            "notin": not present or value not in values,
-            "exists": present,
-            "!exists": not present,
-        }[operator]
-        if not ok:
-            return False
-    return True
+    return all(_requirement_holds(labels, *requirement) for requirement in requirements)
+
+
+def _requirement_holds(labels: dict[str, str], key: str, operator: str, values: tuple[str, ...]) -> bool:
+    present, value = key in labels, labels.get(key)
+    if operator == "=":
+        return present and value == values[0]
+    if operator == "!=":
+        return not present or value != values[0]
+    if operator == "in":
+        return present and value in values
+    if operator == "notin":
+        return not present or value not in values
+    return present if operator == "exists" else not present
 
 
 def parse_field_selector(selector: str) -> list[tuple[str, bool, str]]:

@@ -17,22 +17,40 @@ def widget_crd(scope: str = "Namespaced") -> dict[str, Any]:
             "group": GROUP,
             "scope": scope,
             "names": {"plural": PLURAL, "singular": "widget", "kind": KIND, "shortNames": ["wd"]},
-            "versions": [{
-                "name": VERSION, "served": True, "storage": True,
-                "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}},
-                "subresources": {"status": {}, "scale": {"specReplicasPath": ".spec.replicas",
-                                                         "statusReplicasPath": ".status.replicas"}},
-                "additionalPrinterColumns": [
-                    {"name": "Ready", "type": "string",
-                     "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
-                    {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
-                    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
-                ],
-            }],
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {
+                        "openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+                    },
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                        },
+                    },
+                    "additionalPrinterColumns": [
+                        {
+                            "name": "Ready",
+                            "type": "string",
+                            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+                        },
+                        {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+                    ],
+                }
+            ],
         },
     }
 
 
 def widget(name: str, size: int = 1, namespace: str = "default", **meta: Any) -> dict[str, Any]:
-    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace, **meta},
-            "spec": {"size": size, "replicas": 1}}
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "metadata": {"name": name, "namespace": namespace, **meta},
+        "spec": {"size": size, "replicas": 1},
+    }

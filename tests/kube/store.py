@@ -7,11 +7,8 @@ delivered with ``call_soon_threadsafe``). Objects of a type are stored once, wha
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import copy
-import dataclasses
-import datetime
 import re
 import secrets
 import threading
@@ -19,97 +16,27 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from tests.kube import patching
-from tests.kube.resources import ResourceType, builtin_types, type_from_crd
+from tests.kube import patching, schemas
+from tests.kube.controllers import CRD_KEY, NAMESPACE_KEY, Controllers, fold_string_data
+from tests.kube.errors import ApiError, now_rfc3339
+from tests.kube.resources import ResourceType, builtin_types
+from tests.kube.watching import Event, Watcher
 
 ObjectKey = tuple[tuple[str, str], str, str]  # ((group, plural), namespace or "", name)
 _NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 _LABEL_VALUE_RE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-_LABEL_NAME_RE = re.compile(r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-CRD_KEY = ("apiextensions.k8s.io", "customresourcedefinitions")
-NAMESPACE_KEY = ("", "namespaces")
-
-
-class ApiError(Exception):
-    """An API failure rendered as a ``kind: Status`` body."""
-
-    def __init__(self, code: int, reason: str, message: str, details: dict[str, Any] | None = None) -> None:
-        super().__init__(f"{code} {reason}: {message}")
-        self.code, self.reason, self.message, self.details = code, reason, message, details or {}
-
-    def body(self) -> dict[str, Any]:
-        return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                "message": self.message, "reason": self.reason, "details": self.details, "code": self.code}
-
-    @classmethod
-    def not_found(cls, rt: ResourceType, name: str) -> ApiError:
-        return cls(404, "NotFound", f'{rt.qualified} "{name}" not found', _details(rt, name))
-
-    @classmethod
-    def conflict(cls, rt: ResourceType, name: str, why: str = "") -> ApiError:
-        why = why or "the object has been modified; please apply your changes to the latest version and try again"
-        return cls(409, "Conflict", f'Operation cannot be fulfilled on {rt.qualified} "{name}": {why}',
-                   _details(rt, name))
-
-    @classmethod
-    def invalid(cls, rt: ResourceType, name: str, field: str, why: str) -> ApiError:
-        return cls(422, "Invalid", f'{rt.kind} "{name}" is invalid: {field}: {why}',
-                   {**_details(rt, name), "causes": [{"reason": "FieldValueInvalid", "message": why,
-                                                       "field": field}]})
-
-
-def _details(rt: ResourceType, name: str) -> dict[str, Any]:
-    return {"name": name, "group": rt.group, "kind": rt.plural}
-
-
-def now_rfc3339() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-@dataclasses.dataclass(slots=True, frozen=True)
-class Event:
-    rv: int
-    type_key: tuple[str, str]
-    type: str  # ADDED | MODIFIED | DELETED
-    obj: dict[str, Any]
-    old: dict[str, Any] | None
-
-
-@dataclasses.dataclass(slots=True)
-class Watcher:
-    type_key: tuple[str, str]
-    namespace: str | None
-    matches: Callable[[dict[str, Any]], bool]
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def offer(self, event: Event) -> None:
-        out = self.translate(event)
-        if out is not None:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
-
-    def translate(self, event: Event) -> tuple[str, dict[str, Any]] | None:
-        """Selector transitions become ADDED/DELETED, as the real watch cache does."""
-        if event.type_key != self.type_key:
-            return None
-        if self.namespace is not None and event.obj["metadata"].get("namespace") != self.namespace:
-            return None
-        now = self.matches(event.obj)
-        before = event.old is not None and self.matches(event.old)
-        if event.type == "MODIFIED":
-            if now and not before:
-                return ("ADDED", event.obj)
-            if before and not now:
-                return ("DELETED", event.obj)
-        return (event.type, event.obj) if now else None
+_LABEL_NAME_RE = re.compile(
+    r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+)
 
 
 def _generation_relevant(obj: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("metadata", "status", "apiVersion", "kind")}
 
 
-class Store:
-    def __init__(self, history_limit: int = 5000) -> None:
+class Store(Controllers):
+    def __init__(self, history_limit: int = 5000, schema_checks: bool = True) -> None:
+        self.schema_checks = schema_checks  # prune/default/validate custom resources by their CRD schema
         self.lock = threading.RLock()
         self.types: dict[tuple[str, str], ResourceType] = {rt.key: rt for rt in builtin_types()}
         self.objects: dict[ObjectKey, dict[str, Any]] = {}
@@ -145,13 +72,18 @@ class Store:
                 raise ApiError.not_found(rt, name)
             return copy.deepcopy(obj)
 
-    def list(self, rt: ResourceType, namespace: str | None, matches: Callable[[dict], bool]) -> tuple[list, int]:
+    def list(
+        self, rt: ResourceType, namespace: str | None, matches: Callable[[dict], bool]
+    ) -> tuple[list, int]:
         with self.lock:
             items = [
-                copy.deepcopy(obj) for (key, ns, _), obj in self.objects.items()
+                copy.deepcopy(obj)
+                for (key, ns, _), obj in self.objects.items()
                 if key == rt.key and (namespace is None or ns == namespace) and matches(obj)
             ]
-            return sorted(items, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"])), self._rv
+            return sorted(
+                items, key=lambda o: (o["metadata"].get("namespace", ""), o["metadata"]["name"])
+            ), self._rv
 
     # --- watch ---------------------------------------------------------------------------------
 
@@ -199,8 +131,12 @@ class Store:
             self._validate_meta(rt, obj, name)
             if rt.namespaced:
                 if meta.get("namespace", namespace) != namespace:
-                    raise ApiError(400, "BadRequest", "the namespace of the provided object does not match "
-                                   "the namespace sent on the request")
+                    raise ApiError(
+                        400,
+                        "BadRequest",
+                        "the namespace of the provided object does not match "
+                        "the namespace sent on the request",
+                    )
                 if (NAMESPACE_KEY, "", namespace) not in self.objects:
                     raise ApiError.not_found(self.types[NAMESPACE_KEY], namespace)
                 meta["namespace"] = namespace
@@ -208,8 +144,7 @@ class Store:
                 meta.pop("namespace", None)
             key = (rt.key, namespace if rt.namespaced else "", name)
             if key in self.objects:
-                raise ApiError(409, "AlreadyExists", f'{rt.qualified} "{name}" already exists',
-                               _details(rt, name))
+                raise ApiError.already_exists(rt, name)
             for field in ("resourceVersion", "uid", "deletionTimestamp", "deletionGracePeriodSeconds"):
                 meta.pop(field, None)
             meta["uid"] = str(uuid.uuid4())
@@ -219,60 +154,50 @@ class Store:
             if rt.status_subresource:
                 obj.pop("status", None)
             self._on_create_defaults(rt, obj)
+            obj = self._structural(rt, obj, name)
             if dry_run:
                 return obj
             meta["resourceVersion"] = self._next_rv()
             self.objects[key] = obj
             self._emit(rt, "ADDED", obj, None)
+            self._collect_if_owners_absent(rt, key[1], name)
             return copy.deepcopy(obj)
+
+    def _structural(self, rt: ResourceType, obj: dict[str, Any], name: str) -> dict[str, Any]:
+        """Custom resources: prune, default and validate against the CRD's schema, as admission does."""
+        schema = rt.schemas.get(rt.versions[0]) if rt.is_custom and self.schema_checks else None
+        if not schema:
+            return obj
+        obj = schemas.prune_and_default(obj, schema)
+        errors = schemas.validation_errors(obj, schema)
+        if errors:
+            listed = errors[0] if len(errors) == 1 else "[" + ", ".join(errors) + "]"
+            causes = [{"reason": "FieldValueInvalid", "message": e, "field": e.split(":")[0]} for e in errors]
+            raise ApiError(422, "Invalid", f'{rt.kind}.{rt.group} "{name}" is invalid: {listed}',
+                           {"name": name, "group": rt.group, "kind": rt.kind, "causes": causes})  # fmt: skip
+        return obj
 
     def _validate_meta(self, rt: ResourceType, obj: dict[str, Any], name: str) -> None:
         if not name:
-            raise ApiError.invalid(rt, name, "metadata.name", "Required value: name or generateName is required")
+            raise ApiError.invalid(
+                rt, name, "metadata.name", "Required value: name or generateName is required"
+            )
         if len(name) > 253 or not _NAME_RE.match(name):
-            raise ApiError.invalid(rt, name, "metadata.name", f'Invalid value: "{name}": a lowercase RFC 1123 '
-                                   "subdomain must consist of lower case alphanumeric characters, '-' or '.'")
+            raise ApiError.invalid(
+                rt,
+                name,
+                "metadata.name",
+                f'Invalid value: "{name}": a lowercase RFC 1123 '
+                "subdomain must consist of lower case alphanumeric characters, '-' or '.'",
+            )
         for key, value in (obj["metadata"].get("labels") or {}).items():
-            if not _LABEL_NAME_RE.match(key) or not isinstance(value, str) or len(value) > 63 \
-                    or not _LABEL_VALUE_RE.match(value):
+            if (
+                not _LABEL_NAME_RE.match(key)
+                or not isinstance(value, str)
+                or len(value) > 63
+                or not _LABEL_VALUE_RE.match(value)
+            ):
                 raise ApiError.invalid(rt, name, f"metadata.labels[{key}]", f'Invalid value: "{value}"')
-
-    def _on_create_defaults(self, rt: ResourceType, obj: dict[str, Any]) -> None:
-        if rt.key == NAMESPACE_KEY:
-            obj["spec"] = {"finalizers": ["kubernetes"]}
-            obj["status"] = {"phase": "Active"}
-            obj["metadata"].setdefault("labels", {})["kubernetes.io/metadata.name"] = obj["metadata"]["name"]
-        elif rt.key == ("", "pods"):
-            obj["status"] = {"phase": "Pending"}
-        elif rt.key == CRD_KEY:
-            self._register_crd(obj)
-
-    def _register_crd(self, crd: dict[str, Any]) -> None:
-        try:
-            new_type = type_from_crd(crd)
-        except (KeyError, ValueError, TypeError) as e:
-            raise ApiError(422, "Invalid", f'CustomResourceDefinition "{crd["metadata"]["name"]}" is invalid: {e}')
-        expected = f"{new_type.plural}.{new_type.group}"
-        if crd["metadata"]["name"] != expected:
-            raise ApiError(422, "Invalid", f'CustomResourceDefinition "{crd["metadata"]["name"]}" is invalid: '
-                           f'metadata.name: Invalid value: must be spec.names.plural+"."+spec.group ({expected})')
-        existing = self.types.get(new_type.key)
-        if existing is not None and not existing.is_custom:
-            raise ApiError(422, "Invalid", f"{expected} collides with a built-in resource")
-        self.types[new_type.key] = new_type
-        names = crd["spec"]["names"]
-        accepted = {**names, "singular": new_type.singular, "listKind": names.get("listKind", names["kind"] + "List")}
-        stamp = now_rfc3339()
-        crd["status"] = {
-            "acceptedNames": accepted,
-            "storedVersions": [new_type.versions[0]],
-            "conditions": [
-                {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts",
-                 "message": "no conflicts found", "lastTransitionTime": stamp},
-                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted",
-                 "message": "the initial names have been accepted", "lastTransitionTime": stamp},
-            ],
-        }
 
     # --- update --------------------------------------------------------------------------------
 
@@ -298,15 +223,26 @@ class Store:
             meta = candidate.setdefault("metadata", {})
             given_rv = meta.get("resourceVersion")
             if require_rv and not given_rv:
-                raise ApiError.invalid(rt, name, "metadata.resourceVersion",
-                                       "Invalid value: 0x0: must be specified for an update")
+                raise ApiError.invalid(
+                    rt,
+                    name,
+                    "metadata.resourceVersion",
+                    "Invalid value: 0x0: must be specified for an update",
+                )
             if given_rv and given_rv != current["metadata"]["resourceVersion"]:
                 raise ApiError.conflict(rt, name)
             if meta.get("name", name) != name:
-                raise ApiError(400, "BadRequest", f'the name of the object ({meta.get("name")}) does not match '
-                               f"the name on the URL ({name})")
+                raise ApiError(
+                    400,
+                    "BadRequest",
+                    f"the name of the object ({meta.get('name')}) does not match "
+                    f"the name on the URL ({name})",
+                )
             new = self._merge_by_subresource(rt, current, candidate, subresource)
+            if rt.key == ("", "secrets"):
+                fold_string_data(new)
             self._validate_meta(rt, new, name)
+            new = self._structural(rt, new, name)
             if new == current:
                 return copy.deepcopy(current)  # a no-op write keeps the resourceVersion, as the API does
             if _generation_relevant(new) != _generation_relevant(current):
@@ -321,6 +257,8 @@ class Store:
             else:
                 self.objects[key] = new
                 self._emit(rt, "MODIFIED", new, current)
+                if new["metadata"].get("ownerReferences") != current["metadata"].get("ownerReferences"):
+                    self._collect_if_owners_absent(rt, namespace, name)
             return copy.deepcopy(new)
 
     def _merge_by_subresource(self, rt: ResourceType, current: dict, candidate: dict, sub: str) -> dict:
@@ -339,8 +277,16 @@ class Store:
                 new.pop("status", None)
         new["kind"], new["apiVersion"] = current["kind"], current["apiVersion"]
         meta, old_meta = new["metadata"], current["metadata"]
-        for field in ("uid", "creationTimestamp", "namespace", "generation", "resourceVersion",
-                      "deletionTimestamp", "deletionGracePeriodSeconds", "name"):
+        for field in (
+            "uid",
+            "creationTimestamp",
+            "namespace",
+            "generation",
+            "resourceVersion",
+            "deletionTimestamp",
+            "deletionGracePeriodSeconds",
+            "name",
+        ):
             if field in old_meta:
                 meta[field] = old_meta[field]
             else:
@@ -348,8 +294,12 @@ class Store:
         if old_meta.get("deletionTimestamp"):
             added = set(meta.get("finalizers") or []) - set(old_meta.get("finalizers") or [])
             if added:
-                raise ApiError(422, "Invalid", f"metadata.finalizers: Forbidden: no new finalizers can be added "
-                               f"if the object is being deleted, found new finalizers {sorted(added)}")
+                raise ApiError(
+                    422,
+                    "Invalid",
+                    f"metadata.finalizers: Forbidden: no new finalizers can be added "
+                    f"if the object is being deleted, found new finalizers {sorted(added)}",
+                )
         for field in ("finalizers", "labels", "annotations", "ownerReferences"):
             if field in meta and not meta[field]:
                 del meta[field]
@@ -357,8 +307,14 @@ class Store:
 
     # --- delete --------------------------------------------------------------------------------
 
-    def delete(self, rt: ResourceType, namespace: str, name: str, options: dict[str, Any] | None = None,
-               dry_run: bool = False) -> dict[str, Any]:
+    def delete(
+        self,
+        rt: ResourceType,
+        namespace: str,
+        name: str,
+        options: dict[str, Any] | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
         options = options or {}
         with self.lock:
             key = (rt.key, namespace, name)
@@ -367,9 +323,16 @@ class Store:
                 raise ApiError.not_found(rt, name)
             pre = options.get("preconditions") or {}
             if pre.get("uid") and pre["uid"] != current["metadata"]["uid"]:
-                raise ApiError.conflict(rt, name, f"Precondition failed: UID in precondition: {pre['uid']}, "
-                                        f"UID in object meta: {current['metadata']['uid']}")
-            if pre.get("resourceVersion") and pre["resourceVersion"] != current["metadata"]["resourceVersion"]:
+                raise ApiError.conflict(
+                    rt,
+                    name,
+                    f"Precondition failed: UID in precondition: {pre['uid']}, "
+                    f"UID in object meta: {current['metadata']['uid']}",
+                )
+            if (
+                pre.get("resourceVersion")
+                and pre["resourceVersion"] != current["metadata"]["resourceVersion"]
+            ):
                 raise ApiError.conflict(rt, name)
             if dry_run:
                 return copy.deepcopy(current)
@@ -410,49 +373,6 @@ class Store:
         if namespace and ns_key in self.objects and self.objects[ns_key]["metadata"].get("deletionTimestamp"):
             self._drain_namespace(namespace)
 
-    def _unregister_crd(self, crd: dict[str, Any]) -> None:
-        spec = crd.get("spec") or {}
-        type_key = (spec.get("group", ""), (spec.get("names") or {}).get("plural", ""))
-        rt = self.types.get(type_key)
-        if rt is None or not rt.is_custom:
-            return
-        for key in [k for k in self.objects if k[0] == type_key]:
-            gone = copy.deepcopy(self.objects[key])
-            gone["metadata"]["resourceVersion"] = self._next_rv()
-            self._remove(rt, key, gone)
-        del self.types[type_key]
-
-    def _collect_dependents(self, owner_uid: str, orphan: bool) -> None:
-        live_uids = {o["metadata"]["uid"] for o in self.objects.values()}
-        for (type_key, ns, name), obj in list(self.objects.items()):
-            refs = obj["metadata"].get("ownerReferences") or []
-            if not any(r.get("uid") == owner_uid for r in refs):
-                continue
-            rt = self.types[type_key]
-            remaining = [r for r in refs if r.get("uid") != owner_uid]
-            if orphan or any(r.get("uid") in live_uids for r in remaining):
-                self.update(rt, ns, name, lambda o, rest=remaining: _with_owner_refs(o, rest))
-            elif (type_key, ns, name) in self.objects:
-                self.delete(rt, ns, name, {"propagationPolicy": "Background"})
-
-    def _drain_namespace(self, namespace: str) -> None:
-        """Namespace deletion: delete its contents; release the namespace once it is empty."""
-        for (type_key, ns, name), obj in list(self.objects.items()):
-            if ns == namespace and (type_key, ns, name) in self.objects and not obj["metadata"].get("deletionTimestamp"):
-                self.delete(self.types[type_key], ns, name)
-        if not any(ns == namespace for (_, ns, _) in self.objects):
-            ns_key = (NAMESPACE_KEY, "", namespace)
-            if ns_key in self.objects:
-                gone = copy.deepcopy(self.objects[ns_key])
-                gone["metadata"]["resourceVersion"] = self._next_rv()
-                self._remove(self.types[NAMESPACE_KEY], ns_key, gone)
-
-
-def _with_owner_refs(obj: dict[str, Any], refs: list[dict[str, Any]]) -> dict[str, Any]:
-    obj["metadata"]["ownerReferences"] = refs
-    obj["metadata"].pop("resourceVersion", None)
-    return obj
-
 
 def label_matcher(label_selector: str | None, field_selector: str | None, rt: ResourceType):
     """Build an object predicate; raise ApiError 400 on malformed or unsupported selectors."""
@@ -460,13 +380,14 @@ def label_matcher(label_selector: str | None, field_selector: str | None, rt: Re
         labels = patching.parse_label_selector(label_selector or "")
         fields = patching.parse_field_selector(field_selector or "")
     except ValueError as e:
-        raise ApiError(400, "BadRequest", f"unable to parse requirement: {e}")
+        raise ApiError(400, "BadRequest", f"unable to parse requirement: {e}") from e
     for field, _, _ in fields:
         if rt.is_custom and field not in ("metadata.name", "metadata.namespace"):
-            raise ApiError(400, "BadRequest", f'field label not supported: {field}')
+            raise ApiError(400, "BadRequest", f"field label not supported: {field}")
 
     def matches(obj: dict[str, Any]) -> bool:
-        return patching.labels_match(obj["metadata"].get("labels") or {}, labels) and \
-            patching.fields_match(obj, fields)
+        return patching.labels_match(obj["metadata"].get("labels") or {}, labels) and patching.fields_match(
+            obj, fields
+        )
 
     return matches

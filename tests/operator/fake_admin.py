@@ -82,7 +82,10 @@ class FakePod:
         parts = path.strip("/").split("/")
         with self.lock:
             if parts == ["admin", "adapters"] and method == "GET":
-                return 200, {"base_hash": self.base_hash, "adapters": [self._view(e) for e in self.entries.values()]}
+                return 200, {
+                    "base_hash": self.base_hash,
+                    "adapters": [self._view(e) for e in self.entries.values()],
+                }
             if len(parts) == 3 and method == "PUT":
                 return self._load(parts[2], body or {})
             if len(parts) == 3 and method == "DELETE":
@@ -99,7 +102,10 @@ class FakePod:
     def _load(self, name: str, body: dict) -> tuple[int, dict]:
         version = body.get("version", "")
         if self.fail == "wrong_base":
-            return 409, {"reason": "BaseMismatch", "message": "adapter base hash differs from this pod's base"}
+            return 409, {
+                "reason": "BaseMismatch",
+                "message": "adapter base hash differs from this pod's base",
+            }
         if self.fail == f"warm_fail:{version}":
             return 500, {"reason": "WarmFailed", "message": f"warm-up forward pass failed for {version}"}
         key = (name, version)

@@ -1,0 +1,91 @@
+"""``loraplane operator run``: the operator, with ``kopf run``'s namespace, liveness and peering options.
+
+    loraplane operator run --namespace ml-serving [--namespace other] [--standalone] \\
+        [--liveness http://0.0.0.0:8080/healthz] [--metrics-port 9090] [--peering loraplane]
+    loraplane operator run --all-namespaces
+    loraplane operator crds [--write DIR | --check DIR]
+
+The Kubernetes configuration is loaded once, explicitly: ``--kubeconfig`` (or $KUBECONFIG, read
+here and passed on by path), else the in-cluster service account.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from loraplane.operator.context import Tunables
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplane operator")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the operator")
+    scope = run.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        dest="namespaces",
+        metavar="NS",
+        help="watch this namespace (repeatable; globs as in kopf)",
+    )
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch the whole cluster")
+    run.add_argument("--standalone", action="store_true", help="no peering: the only operator instance")
+    run.add_argument("--peering", metavar="NAME", help="kopf peering object name (for several replicas)")
+    run.add_argument("--priority", type=int, default=0, help="peering priority")
+    run.add_argument("--liveness", metavar="URL", help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    run.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here (0: off)")
+    run.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"), help="kubeconfig file")
+    run.add_argument("--context", help="kubeconfig context")
+    run.add_argument(
+        "--drift-interval",
+        type=float,
+        default=Tunables.drift_interval,
+        help="seconds between drift checks of each adapter against its pods",
+    )
+    run.add_argument("--verbose", action="store_true")
+    crds = sub.add_parser("crds", help="write or check the CRD YAML")
+    crds.add_argument("rest", nargs=argparse.REMAINDER)
+    return parser  # fmt: skip
+
+
+def run(args) -> int:
+    import kopf
+
+    from loraplane.operator import handlers  # noqa: F401  (registers the handlers)
+    from loraplane.operator.context import Context
+    from loraplane.operator.kube import Kube, load_api_client
+
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port)
+    ctx = Context(
+        Kube(load_api_client(args.kubeconfig, args.context)), Tunables(drift_interval=args.drift_interval)
+    )
+    kopf.run(
+        registry=kopf.get_default_registry(),
+        settings=handlers.make_settings(standalone=args.standalone, peering=args.peering),
+        memo=kopf.Memo(ctx=ctx),
+        standalone=args.standalone,
+        peering_name=args.peering,
+        priority=args.priority,
+        liveness_endpoint=args.liveness,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespaces or (),
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if args.command == "crds":
+        from loraplane.operator import crds
+
+        return crds.main(args.rest)
+    return run(args)

@@ -1,0 +1,176 @@
+"""kopf registrations, kept thin: indexes, one daemon per object, wake-ups, the deletion finalizer.
+
+Each LoRABase and LoRAAdapter gets a daemon that runs a reconcile pass, then sleeps until its
+timeout (drift check, poll or backoff) or until an event concerns it: its own spec changed
+(generation), a pod of its base changed, or its base changed. Status writes never wake anyone,
+so there is no hot loop. Pods and bases are read from kopf's in-memory indexes (filled by watches),
+not by API calls per pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import kopf
+
+from loraplane.operator import reconcile_adapter, reconcile_base
+from loraplane.operator.builders import BASE_LABEL
+from loraplane.operator.crd_models import ADAPTER_PLURAL, BASE_PLURAL, GROUP, VERSION
+from loraplane.operator.kube import custom_ref
+from loraplane.operator.pods import pod_info, serving_pods
+
+FINALIZER = "loraplane.dev/finalizer"
+BASE, ADAPTER = "LoRABase", "LoRAAdapter"
+
+
+def make_settings(*, standalone: bool = False, peering: str | None = None) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    settings.persistence.finalizer = FINALIZER
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.loraplane.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.loraplane.dev")
+    settings.posting.level = (
+        logging.WARNING
+    )  # our own Events are explicit (publish.py); kopf's: problems only
+    settings.posting.reporting_component = "loraplane-operator"
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.peering.standalone = standalone
+    if peering:
+        settings.peering.name = peering
+    return settings
+
+
+def _first(store):
+    return next(iter(store or ()), None)
+
+
+def _base_of(adapter: dict) -> str:
+    return ((adapter.get("spec") or {}).get("baseRef") or {}).get("name", "")
+
+
+# --- operator lifecycle ------------------------------------------------------------------------------
+@kopf.on.login()
+def login(memo: kopf.Memo, **_) -> kopf.ConnectionInfo:
+    """The same explicit configuration the kubernetes client uses (never $KUBECONFIG behind our back)."""
+    config = memo.ctx.kube.api.configuration
+    header = config.get_api_key_with_prefix("BearerToken") or config.get_api_key_with_prefix("authorization")
+    scheme, _, token = (header or "").rpartition(" ")
+    return kopf.ConnectionInfo(
+        server=config.host,
+        ca_path=config.ssl_ca_cert,
+        insecure=not config.verify_ssl,
+        scheme=scheme or ("Bearer" if token else None),
+        token=token or None,
+        certificate_path=config.cert_file,
+        private_key_path=config.key_file,
+    )
+
+
+@kopf.on.startup()
+async def startup(memo: kopf.Memo, **_) -> None:
+    memo.ctx.start()
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_) -> None:
+    await memo.ctx.stop()
+
+
+# --- indexes: the operator's view of pods, bases and adapters, kept current by watches --------------
+@kopf.index("pods", labels={BASE_LABEL: kopf.PRESENT})
+def server_pods(namespace, labels, body, **_):
+    return {(namespace, labels[BASE_LABEL]): pod_info(body)}
+
+
+@kopf.index(GROUP, VERSION, BASE_PLURAL)
+def lorabases(namespace, name, body, **_):
+    return {(namespace, name): copy.deepcopy(dict(body))}
+
+
+@kopf.index(GROUP, VERSION, ADAPTER_PLURAL)
+def adapters_by_base(namespace, name, body, **_):
+    return {(namespace, _base_of(body)): name}
+
+
+# --- wake-ups ----------------------------------------------------------------------------------------
+def _spec_changed(body) -> bool:
+    return (body.get("metadata") or {}).get("generation") != (body.get("status") or {}).get(
+        "observedGeneration"
+    )
+
+
+@kopf.on.event(GROUP, VERSION, ADAPTER_PLURAL)
+def adapter_event(type, body, namespace, name, memo, **_):
+    if type == "DELETED":
+        memo.ctx.forget((ADAPTER, namespace, name), custom_ref(ADAPTER_PLURAL, namespace, name).path())
+    elif _spec_changed(body):
+        memo.ctx.wake((ADAPTER, namespace, name))
+
+
+@kopf.on.event(GROUP, VERSION, BASE_PLURAL)
+def base_event(type, body, namespace, name, memo, adapters_by_base, **_):
+    ctx = memo.ctx
+    if type == "DELETED":
+        ctx.forget((BASE, namespace, name), custom_ref(BASE_PLURAL, namespace, name).path())
+    elif _spec_changed(body):
+        ctx.wake((BASE, namespace, name))
+    status = body.get("status") or {}
+    fingerprint = None if type == "DELETED" else (
+        body["metadata"].get("generation"), status.get("readyReplicas"), status.get("observedBaseHash"))  # fmt: skip
+    if ctx.fingerprints.get((namespace, name)) != fingerprint:
+        ctx.fingerprints[(namespace, name)] = fingerprint
+        for adapter in adapters_by_base.get((namespace, name), ()):
+            ctx.wake((ADAPTER, namespace, adapter))
+
+
+@kopf.on.event("pods", labels={BASE_LABEL: kopf.PRESENT})
+def pod_event(namespace, labels, memo, adapters_by_base, **_):
+    base = labels[BASE_LABEL]
+    memo.ctx.wake((BASE, namespace, base))
+    for adapter in adapters_by_base.get((namespace, base), ()):
+        memo.ctx.wake((ADAPTER, namespace, adapter))
+
+
+# --- the reconcile loops -----------------------------------------------------------------------------
+@kopf.daemon(GROUP, VERSION, BASE_PLURAL, cancellation_timeout=10)
+async def base_daemon(stopped, body, namespace, name, memo, server_pods, logger, **_):
+    ctx, key, path = memo.ctx, (BASE, namespace, name), custom_ref(BASE_PLURAL, namespace, name).path()
+    while not stopped:
+        base = ctx.newest(path, copy.deepcopy(dict(body)))
+        try:
+            delay = await reconcile_base.reconcile(ctx, base, list(server_pods.get((namespace, name), ())))
+        except Exception as exc:  # a pass failed (API error, ...): log, back off, try again
+            logger.warning(f"reconcile failed: {type(exc).__name__}: {exc}")
+            delay = ctx.backoff((key, "error"), True)
+        await ctx.sleep(key, delay, stopped)
+
+
+@kopf.daemon(GROUP, VERSION, ADAPTER_PLURAL, cancellation_timeout=10, initial_delay=0.5)
+async def adapter_daemon(stopped, body, namespace, name, memo, lorabases, server_pods, logger, **_):
+    ctx, key, path = memo.ctx, (ADAPTER, namespace, name), custom_ref(ADAPTER_PLURAL, namespace, name).path()
+    while not stopped:
+        adapter = ctx.newest(path, copy.deepcopy(dict(body)))
+        base_name = _base_of(adapter)
+        base = _first(lorabases.get((namespace, base_name)))
+        pods = serving_pods(server_pods.get((namespace, base_name), ()), ctx.tunables.admin_port)
+        try:
+            delay = await reconcile_adapter.reconcile(ctx, adapter, base, pods)
+        except Exception as exc:
+            logger.warning(f"reconcile failed: {type(exc).__name__}: {exc}")
+            delay = ctx.backoff((key, "error"), True)
+        await ctx.sleep(key, delay, stopped)
+
+
+@kopf.on.delete(GROUP, VERSION, ADAPTER_PLURAL)
+async def adapter_deleted(body, namespace, name, memo, lorabases, server_pods, **_):
+    """The finalizer: unload from every pod, or hold (and say why in status and Events) and retry."""
+    ctx = memo.ctx
+    base_name = _base_of(body)
+    base = _first(lorabases.get((namespace, base_name)))
+    pods = serving_pods(server_pods.get((namespace, base_name), ()), ctx.tunables.admin_port)
+    failures = await reconcile_adapter.finalize(ctx, copy.deepcopy(dict(body)), base, pods)
+    if failures:
+        detail = "; ".join(f"{f.pod}: {f.reason}" for f in failures)
+        delay = min(ctx.tunables.retry_delay, ctx.tunables.max_retry_delay)
+        raise kopf.TemporaryError(f"unload failed on {len(failures)} pod(s): {detail}", delay=delay)

@@ -1,0 +1,45 @@
+"""Write status only when it changed, and post one Kubernetes Event per condition transition."""
+
+from __future__ import annotations
+
+import logging
+
+import kopf
+
+from loraplane.operator import conditions as C
+from loraplane.operator.context import Context
+from loraplane.operator.kube import Ref
+
+log = logging.getLogger(__name__)
+
+# Conditions whose True is bad news (their Events are Warnings when True).
+_NEGATIVE = frozenset({C.DEGRADED})
+
+
+def _clean(status: dict) -> dict:
+    return {k: v for k, v in status.items() if v is not None}
+
+
+async def publish(ctx: Context, body: dict, ref: Ref, status: dict) -> bool:
+    """Merge-patch ``status`` (None values delete keys) if it differs from the object's. True if written."""
+    old = dict(body.get("status") or {})
+    status = dict(status)
+    if "conditions" in status:
+        status["conditions"] = C.merge(old.get("conditions"), status["conditions"])
+    if _clean(status) == _clean({k: old.get(k) for k in status}):
+        return False
+    written = await ctx.kube.patch_status(ref, status)
+    if written is not None:
+        ctx.latest[ref.path()] = written
+    for cond in C.transitions(old.get("conditions"), status.get("conditions") or []):
+        if cond["status"] == C.UNKNOWN:
+            continue
+        bad = (cond["status"] == C.TRUE) == (cond["type"] in _NEGATIVE)
+        message = f"{cond['type']}={cond['status']}: {cond['message']}"
+        try:
+            kopf.event(
+                dict(body), type="Warning" if bad else "Normal", reason=cond["reason"], message=message
+            )
+        except Exception:  # outside a running operator (posting queue absent): logs still say it
+            log.info("%s/%s %s", ref.namespace, ref.name, message)
+    return True

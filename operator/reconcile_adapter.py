@@ -1,0 +1,280 @@
+"""Reconcile one LoRAAdapter: validate, then bring every ready pod of its base to the version.
+
+One pass reads everything it decides on from the API (via kopf's indexes) and the pods (GET
+/admin/adapters), acts (rollout.py says what), re-reads the pods, and writes status once. It returns
+how long to sleep before the next pass; pod and base events wake it earlier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from loraplane.operator import conditions as C
+from loraplane.operator import metrics
+from loraplane.operator import rollout as R
+from loraplane.operator.admin_client import AdminError, LoadRequest, PodAddress
+from loraplane.operator.builders import admin_token_key, admin_token_secret_name
+from loraplane.operator.context import Context
+from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec, SpecError
+from loraplane.operator.kube import custom_ref
+from loraplane.operator.publish import publish
+from loraplane.operator.validation import ValidationFailed, validate
+
+
+@dataclass(slots=True)
+class Verdict:
+    """What one pass concluded: condition type -> (status, reason, message), and when to come back."""
+
+    conditions: dict = field(default_factory=dict)
+    fields: dict = field(default_factory=dict)
+    failed: bool = False
+    pending: bool = False
+
+    def set(self, type_: str, status: str, reason: str, message: str) -> None:
+        self.conditions[type_] = (status, reason, message)
+
+    def fail(self, reason: str, message: str, *, validated: str | None = None) -> None:
+        self.failed = True
+        if validated is not None:
+            self.set(C.VALIDATED, validated, reason, message)
+        self.set(C.READY, C.FALSE, reason, message)
+        self.set(C.DEGRADED, C.TRUE, reason, message)
+
+
+async def admin_token(ctx: Context, namespace: str, base: dict, spec: BaseSpec) -> str:
+    data = await ctx.kube.secret_data(namespace, admin_token_secret_name(base, spec))
+    token = (data or {}).get(admin_token_key(spec))
+    if not token:
+        raise ValidationFailed(
+            C.SECRET_NOT_FOUND, "the admin token Secret of the base is missing", transient=True
+        )
+    return token
+
+
+async def _each(ctx: Context, pods, fn) -> list:
+    async def one(pod):
+        async with ctx.limit:
+            return await fn(pod)
+
+    return await asyncio.gather(*(one(p) for p in pods))
+
+
+async def observe(ctx: Context, pods: list[PodAddress], token: str) -> list[R.PodView]:
+    async def look(pod: PodAddress) -> R.PodView:
+        try:
+            return R.PodView(pod, tuple(await ctx.admin.list(pod, token)))
+        except AdminError as exc:
+            return R.PodView(pod, None, exc)
+
+    return await _each(ctx, pods, look)
+
+
+async def _act(ctx: Context, pods, call) -> dict[str, AdminError]:
+    """Run ``call(pod)`` on pods; the errors by pod name."""
+
+    async def attempt(pod):
+        try:
+            await call(pod)
+        except AdminError as exc:
+            return pod.name, exc
+        return None
+
+    return dict(r for r in await _each(ctx, pods, attempt) if r)
+
+
+async def converge(ctx, views, target, request, max_unavailable, token) -> tuple[dict[str, AdminError], bool]:
+    """Load, switch, clean up (rollout.py). Returns (errors by pod, still pending)."""
+    name = target.name
+    errors: dict[str, AdminError] = {}
+    pending = False
+    for batch in R.load_batches(views, target, max_unavailable):
+        results = await _each(ctx, batch, lambda v: _load(ctx, v.address, token, name, request))
+        for pod, result in zip(batch, results, strict=True):
+            if isinstance(result, AdminError):
+                errors[pod.name] = result
+            elif result != "warm":
+                pending = True
+        if errors or pending:
+            break
+    if not errors and not pending and all(v.reachable for v in views):
+        switch = [v for v in views if R.needs_switch(v, target)]
+        errors = await _act(ctx, switch, lambda v: ctx.admin.switch(v.address, token, name, target.version))
+        if not errors:
+            cleanup = [(v, old) for v in views for old in R.needs_cleanup(v, target)]
+            await _act(ctx, cleanup, lambda vo: ctx.admin.unload(vo[0].address, token, name, vo[1].version))
+    if errors:
+        fresh = await observe(ctx, [v.address for v in views], token)
+        undo = R.rollback_plan(fresh, target)
+        await _act(ctx, undo, lambda u: _undo(ctx, u, token, target))
+    return errors, pending
+
+
+async def _load(ctx, pod, token, name, request):
+    try:
+        return (await ctx.admin.load(pod, token, name, request)).state
+    except AdminError as exc:
+        return exc
+
+
+async def _undo(ctx: Context, undo: R.Undo, token: str, target: R.Target) -> None:
+    if undo.switch_to:
+        await ctx.admin.switch(undo.pod.address, token, target.name, undo.switch_to)
+    if undo.unload_target:
+        await ctx.admin.unload(undo.pod.address, token, target.name, target.version)
+
+
+async def run_pass(
+    ctx: Context, adapter: dict, base: dict | None, pods: list[PodAddress]
+) -> tuple[Verdict, list]:
+    verdict, views = Verdict(), []
+    meta = adapter["metadata"]
+    namespace = meta["namespace"]
+    try:
+        spec = AdapterSpec.parse(adapter.get("spec") or {})
+    except SpecError as exc:
+        verdict.fail("InvalidSpec", str(exc), validated=C.FALSE)
+        return verdict, views
+    if base is None:
+        verdict.set(C.VALIDATED, C.UNKNOWN, C.BASE_NOT_FOUND, f"no LoRABase {spec.base!r} in {namespace}")
+        verdict.fail(C.BASE_NOT_FOUND, f"no LoRABase {spec.base!r} in {namespace}")
+        verdict.failed = False  # nothing to retry: the base's creation wakes this adapter
+        return verdict, views
+    try:
+        base_spec = BaseSpec.parse(base.get("spec") or {})
+        verified = await validate(ctx, namespace, base_spec, spec)
+        token = await admin_token(ctx, namespace, base, base_spec)
+    except SpecError as exc:
+        verdict.fail(C.BASE_NOT_READY, f"the LoRABase is invalid: {exc}", validated=C.UNKNOWN)
+        return verdict, views
+    except ValidationFailed as exc:
+        verdict.fail(exc.reason, exc.message, validated=C.UNKNOWN if exc.transient else C.FALSE)
+        return verdict, views
+    rank = max(verified.manifest.ranks.values(), default=0)
+    verdict.fields.update(validatedDigest=verified.digest, rank=rank, desiredPods=base_spec.replicas)
+    verdict.set(C.VALIDATED, C.TRUE, C.VALID, f"signed by {verified.key_id}, {verified.digest}, rank {rank}")
+    if not pods:
+        state, reason = (C.FALSE, C.BASE_NOT_READY) if base_spec.replicas else (C.TRUE, C.ALL_PODS_SERVING)
+        for type_ in (C.CACHED, C.WARMED, C.READY):
+            verdict.set(type_, state, reason, f"no ready pod of the base; {base_spec.replicas} desired")
+        verdict.set(C.DEGRADED, C.FALSE, C.AS_EXPECTED, "no failure")
+        return verdict, views
+    target = R.Target(meta["name"], spec.version, verified.digest)
+    request = LoadRequest(spec.uri, spec.version, verified.digest, spec.pin, spec.warm)
+    views = await observe(ctx, pods, token)
+    errors, pending = await converge(ctx, views, target, request, spec.max_unavailable, token)
+    views = await observe(ctx, pods, token)
+    views = [R.PodView(v.address, v.loaded, errors.get(v.name) or v.error) for v in views]
+    _summarize(verdict, views, target, base_spec.replicas, errors, pending)
+    return verdict, views
+
+
+def _summarize(verdict: Verdict, views, target: R.Target, desired: int, errors: dict, pending: bool) -> None:
+    serving = sum(1 for v in views if v.reachable and not R.needs_switch(v, target))
+    warm = sum(1 for v in views if v.reachable and not R.needs_load(v, target))
+    verdict.fields["readyPods"] = serving
+    unreachable = [v for v in views if not v.reachable]
+    if R.cached_everywhere(views, target, desired):
+        verdict.set(
+            C.CACHED, C.TRUE, C.ALL_CACHED, f"{desired} pods hold {target.version} in their host cache"
+        )
+    else:
+        verdict.set(C.CACHED, C.FALSE, C.PODS_PENDING, "some pods have not cached the version yet")
+    if warm >= desired:
+        verdict.set(C.WARMED, C.TRUE, C.ALL_WARMED, f"{warm}/{desired} pods warmed {target.version}")
+    else:
+        verdict.set(C.WARMED, C.FALSE, C.PODS_PENDING, f"{warm}/{desired} pods warmed {target.version}")
+    failures = list(errors.values()) + [v.error for v in unreachable if v.error]
+    if failures:
+        first = failures[0]
+        rolled = any(R.old_serving(v, target) for v in views)
+        message = f"{first.pod}: {first.message}" + (
+            "; rolled back, the old version serves" if rolled else ""
+        )
+        verdict.fail(first.reason, message)
+        return
+    verdict.set(C.DEGRADED, C.FALSE, C.AS_EXPECTED, "no failure")
+    if serving >= desired:
+        verdict.set(C.READY, C.TRUE, C.ALL_PODS_SERVING, f"{serving}/{desired} pods serve {target.version}")
+    else:
+        reason = C.ROLLING_OUT if any(R.old_serving(v, target) for v in views) else C.PODS_PENDING
+        verdict.set(C.READY, C.FALSE, reason, f"{serving}/{desired} pods serve {target.version}")
+        verdict.pending = True
+    verdict.pending = verdict.pending or pending
+
+
+def status_of(adapter: dict, verdict: Verdict, views: list, now: str) -> dict:
+    generation = adapter["metadata"].get("generation", 0)
+    old = adapter.get("status") or {}
+    previous_rows = {row.get("name"): row for row in old.get("pods") or []}
+    status = {"observedGeneration": generation, **verdict.fields}
+    if views:
+        meta, spec = adapter["metadata"], adapter.get("spec") or {}
+        target = R.Target(meta["name"], spec.get("version", ""), verdict.fields.get("validatedDigest", ""))
+        status["pods"] = [R.pod_row(v, target, previous_rows.get(v.name), now) for v in views]
+        serving = R.serving_version(views, meta["name"])
+        status["servingVersion"] = serving.version if serving else None
+        status["digest"] = serving.digest if serving else None
+    conds = []
+    for type_ in C.ADAPTER_CONDITIONS:
+        state, reason, message = verdict.conditions.get(type_, (C.UNKNOWN, C.RECONCILING, "not evaluated"))
+        conds.append(C.condition(type_, state, reason, message, generation, now))
+    status["conditions"] = conds
+    return status
+
+
+def metric_state(verdict: Verdict) -> str:
+    if verdict.conditions.get(C.VALIDATED, ("",))[0] == C.FALSE:
+        return "Invalid"
+    if verdict.conditions.get(C.DEGRADED, ("",))[0] == C.TRUE:
+        return "Degraded"
+    return "Ready" if verdict.conditions.get(C.READY, ("",))[0] == C.TRUE else "Progressing"
+
+
+async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[PodAddress]) -> float:
+    """One pass; returns the seconds until the next one."""
+    meta = adapter["metadata"]
+    ref = custom_ref(ADAPTER_PLURAL, meta["namespace"], meta["name"])
+    with metrics.reconcile_timer("LoRAAdapter") as outcome:
+        if not (adapter.get("status") or {}).get("conditions"):  # first visit: everything Unknown
+            first = {"conditions": C.initial(C.ADAPTER_CONDITIONS, meta.get("generation", 0))}
+            await publish(ctx, adapter, ref, first)
+            adapter = {**adapter, "status": first}
+        verdict, views = await run_pass(ctx, adapter, base, pods)
+        await publish(ctx, adapter, ref, status_of(adapter, verdict, views, C.now()))
+        metrics.set_adapter_state(meta["namespace"], meta["name"], metric_state(verdict),
+                                  verdict.fields.get("readyPods", 0))  # fmt: skip
+        outcome["result"] = "retry" if verdict.failed else "ok"
+    delay = ctx.backoff((meta["uid"], meta.get("generation")), verdict.failed)
+    return min(delay, ctx.tunables.poll_interval) if verdict.pending and not verdict.failed else delay
+
+
+async def finalize(
+    ctx: Context, adapter: dict, base: dict | None, pods: list[PodAddress]
+) -> list[AdminError]:
+    """Unload the adapter (every version) from every pod; the failures that must hold the finalizer."""
+    meta = adapter["metadata"]
+    if base is None or not pods:
+        return []
+    try:
+        token = await admin_token(ctx, meta["namespace"], base, BaseSpec.parse(base.get("spec") or {}))
+    except (ValidationFailed, SpecError):
+        return []  # the base is going away: its pods (and their adapters) with it
+    errors = await _act(ctx, pods, lambda p: ctx.admin.unload(p, token, meta["name"]))
+    failures = list(errors.values())
+    ref = custom_ref(ADAPTER_PLURAL, meta["namespace"], meta["name"])
+    rows = [
+        {"name": p.name, "state": R.UNREACHABLE if p.name in errors else R.UNLOADING, "since": C.now()}
+        | ({"message": errors[p.name].message} if p.name in errors else {})
+        for p in pods
+    ]
+    if failures:
+        generation = meta.get("generation", 0)
+        message = "; ".join(f"{e.pod}: {e.message}" for e in failures)[:1000]
+        conds = [
+            C.condition(C.READY, C.FALSE, C.UNLOAD_FAILED, "deleting", generation, C.now()),
+            C.condition(C.DEGRADED, C.TRUE, C.UNLOAD_FAILED, message, generation, C.now()),
+        ]
+        await publish(ctx, adapter, ref, {"pods": rows, "conditions": conds})
+    metrics.forget_adapter(meta["namespace"], meta["name"])
+    return failures

@@ -1,0 +1,125 @@
+"""Step 1 of an adapter: read its manifest from S3 with the operator's credentials and verify it.
+
+Signature against the base's trusted keys, manifest base hash against ``LoRABase.spec.model.sha256``,
+rank against ``spec.engine.maxRank``, targets against what the engine serves, optional pinned digest.
+Nothing unverified reaches a pod. The S3 client is built per base from its Secret, read by name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+import boto3
+from botocore.config import Config
+
+from loraplane.operator import conditions as C
+from loraplane.operator.context import Context
+from loraplane.operator.crd_models import AdapterSpec, BaseSpec
+from loraplane.server.artifacts import errors as E
+from loraplane.server.artifacts import s3 as S3
+from loraplane.server.artifacts.signing import load_trusted_keys
+from loraplane.server.artifacts.verify import VerifiedManifest, fetch_verified_manifest
+
+
+class ValidationFailed(Exception):
+    def __init__(self, reason: str, message: str, transient: bool = False):
+        super().__init__(f"{reason}: {message}")
+        self.reason, self.message, self.transient = reason, message, transient
+
+
+async def _secret(ctx: Context, namespace: str, name: str, what: str) -> dict[str, str]:
+    data = await ctx.kube.secret_data(namespace, name)
+    if data is None:
+        raise ValidationFailed(C.SECRET_NOT_FOUND, f"{what}: Secret {name!r} not found", transient=True)
+    return data
+
+
+async def s3_client(ctx: Context, namespace: str, spec: BaseSpec):
+    storage = spec.storage
+    kwargs = {}
+    if storage.credentials:
+        data = await _secret(ctx, namespace, storage.credentials, "spec.storage.credentialsSecretRef")
+        try:
+            kwargs = {
+                "aws_access_key_id": data[storage.access_key_id_key],
+                "aws_secret_access_key": data[storage.secret_access_key_key],
+            }
+        except KeyError as exc:
+            raise ValidationFailed(
+                C.SECRET_NOT_FOUND,
+                f"Secret {storage.credentials!r} has no key {exc.args[0]!r}",
+                transient=True,
+            ) from None
+    config = Config(
+        connect_timeout=5,
+        read_timeout=20,
+        retries={"mode": "standard", "total_max_attempts": 1},
+        s3={"addressing_style": "path"} if storage.endpoint else {},
+        signature_version="s3v4",
+    )
+    # Building a boto3 client costs tens of milliseconds: keep one per endpoint and credentials.
+    key = (
+        storage.endpoint,
+        storage.region,
+        hashlib.sha256(repr(sorted(kwargs.items())).encode()).hexdigest(),
+    )
+    if key not in ctx.s3_clients:
+        session = boto3.session.Session(**kwargs)
+        region = storage.region or "us-east-1"
+        ctx.s3_clients[key] = session.client(
+            "s3", endpoint_url=storage.endpoint, region_name=region, config=config
+        )
+    return ctx.s3_clients[key]
+
+
+async def trusted_keys(ctx: Context, namespace: str, spec: BaseSpec) -> dict[str, bytes]:
+    if not spec.trusted_keys_secret:
+        raise ValidationFailed(C.UNKNOWN_KEY, "the LoRABase trusts no key (spec.trust.publicKeysSecretRef)")
+    data = await _secret(ctx, namespace, spec.trusted_keys_secret, "spec.trust.publicKeysSecretRef")
+    try:
+        return load_trusted_keys(data)
+    except E.ArtifactError as exc:
+        raise ValidationFailed(exc.reason, exc.message) from None
+
+
+async def validate(ctx: Context, namespace: str, base: BaseSpec, adapter: AdapterSpec) -> VerifiedManifest:
+    """The verified manifest, or ValidationFailed with a documented reason."""
+    keys = await trusted_keys(ctx, namespace, base)
+    fingerprint = hashlib.sha256(b"".join(sorted(keys.values()))).hexdigest()
+    source = (base.storage.endpoint, base.storage.region, base.storage.credentials)
+    key = (adapter.uri, adapter.manifest_digest, base.model_sha256, base.engine.max_rank, fingerprint, source)
+    if key in ctx.validated:
+        return ctx.validated[key]
+    running = ctx.inflight.get(key)
+    if running is None:  # one S3 read per source, however many adapters ask at once
+        running = ctx.inflight[key] = asyncio.ensure_future(_fetch(ctx, namespace, base, adapter, keys))
+        running.add_done_callback(lambda _: ctx.inflight.pop(key, None))
+    verified = await asyncio.shield(running)
+    ctx.remember_validation(key, verified)
+    return verified
+
+
+async def _fetch(
+    ctx: Context, namespace: str, base: BaseSpec, adapter: AdapterSpec, keys
+) -> VerifiedManifest:
+    client = await s3_client(ctx, namespace, base)
+    retry = S3.RetryPolicy(attempts=ctx.tunables.s3_attempts, base_delay=0.2, max_delay=2.0)
+    try:
+        return await asyncio.to_thread(
+            fetch_verified_manifest,
+            adapter.uri,
+            trusted_keys=keys,
+            expected_base_hash=base.model_sha256,
+            pinned_digest=adapter.manifest_digest,
+            max_rank=base.engine.max_rank,
+            s3_client=client,
+            retry=retry,
+        )
+    except E.ArtifactError as exc:
+        raise ValidationFailed(exc.reason, f"{exc.field + ': ' if exc.field else ''}{exc.message}",
+                               transient=exc.transient) from None  # fmt: skip
+    except Exception as exc:  # botocore's endpoint errors and the like: the source, not the artifact
+        raise ValidationFailed(
+            C.SOURCE_UNREACHABLE, f"{type(exc).__name__}: {exc}"[:300], transient=True
+        ) from None

@@ -1,0 +1,111 @@
+"""OpenAI-style errors: every failure leaves as ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplane.server.engine.async_engine import EngineDeadError
+
+from .protocol import ErrorInfo, ErrorResponse
+
+log = logging.getLogger("loraplane.http")
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+SERVER_ERROR = "server_error"
+
+# Engine ValueErrors name their field as "SamplingParams.top_p: ..." or "prompt_token_ids: ..."; map to ours.
+_ENGINE_FIELDS = {
+    "SamplingParams.temperature": "temperature",
+    "SamplingParams.top_p": "top_p",
+    "SamplingParams.top_k": "top_k",
+    "SamplingParams.seed": "seed",
+    "SamplingParams.max_tokens": "max_tokens",
+    "SamplingParams.stop": "stop",
+    "SamplingParams.logprobs": "logprobs",
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str = INVALID_REQUEST,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_engine_value_error(error: ValueError, prompt_field: str) -> APIError:
+    """A request the engine refused: keep its message, name the OpenAI field it is about."""
+    message = str(error)
+    field = message.partition(":")[0]
+    if field == "prompt_token_ids":
+        return bad_request(message, prompt_field)
+    return bad_request(message, _ENGINE_FIELDS.get(field))
+
+
+def _loc_to_param(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages[0].content'."""
+    parts = [p for p in loc if p != "body"]
+    param = ""
+    for part in parts:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif not str(part).startswith(("str", "list[", "int", "function-")):  # union branch names
+            param += f".{part}" if param else str(part)
+    return param or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        if first.get("type") == "json_invalid":
+            return bad_request(f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}").response()
+        param = _loc_to_param(tuple(first.get("loc", ())))
+        if param is None and first.get("type") == "missing":
+            return bad_request("a JSON object body is required").response()
+        message = f"{param}: {first['msg']}" if param else str(first["msg"])
+        return bad_request(message, param).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+        return APIError(exc.status_code, str(exc.detail), type=kind).response()
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        log.error("engine is dead: %s", exc)
+        return APIError(503, "the engine stopped; the server must be restarted", type=SERVER_ERROR).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error")
+        return APIError(500, "internal server error", type=SERVER_ERROR).response()

@@ -1,0 +1,51 @@
+"""200 LoRAAdapters at once: they converge, and the operator then goes quiet (no hot loop)."""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from tests.operator.harness import OperatorThread, condition, fast_tunables, wait_for
+
+N = 200
+WRITES_PER_ADAPTER = 6  # kopf's finalizer, our Unknown-first status, the converged status, slack
+
+
+def adapter_calls(world) -> collections.Counter:
+    """(adapter name, method) -> API requests on that adapter's path, as the emulator logged them."""
+    prefix = f"/apis/loraplane.dev/v1alpha1/namespaces/{world.ns}/loraadapters/"
+    counts = collections.Counter()
+    for request in list(world.emu.requests):
+        if request.path.startswith(prefix) and not request.is_watch:
+            counts[(request.path[len(prefix) :].split("/")[0], request.method)] += 1
+    return counts
+
+
+def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
+    world.create_base(replicas=1)
+    tunables = fast_tunables(drift_interval=3.0)
+    with OperatorThread(world.emu, world.ns, tunables):
+        pod = world.add_pod()
+        started = time.monotonic()
+        for i in range(N):
+            world.create_adapter(f"a{i:03d}", artifacts.uris["v1"], "v1")
+        names = [f"a{i:03d}" for i in range(N)]
+
+        def all_ready():
+            return all(condition(world.adapter(n), "Ready").get("status") == "True" for n in names)
+
+        wait_for(all_ready, timeout=90, interval=0.5, what=f"{N} adapters Ready ({sum(1 for n in names if condition(world.adapter(n), 'Ready').get('status') == 'True')})")
+        converged = time.monotonic() - started
+        assert len(pod.entries) == N
+        settled = adapter_calls(world)
+        writes = {n: sum(c for (name, m), c in settled.items() if name == n and m != "GET") for n in names}
+        reads = sum(c for (_, m), c in settled.items() if m == "GET")
+        time.sleep(2 * tunables.drift_interval + 1)  # two drift checks of every adapter
+        later = adapter_calls(world)
+        new_writes = sum(later.values()) - sum(settled.values())
+        print(f"\n{N} adapters Ready in {converged:.1f}s; writes/adapter max {max(writes.values())}, "
+              f"mean {sum(writes.values()) / N:.2f}; GETs {reads}; calls in the idle window {new_writes}")  # fmt: skip
+        assert max(writes.values()) <= WRITES_PER_ADAPTER, writes
+        assert reads == 0, "the operator reads adapters from its watch, not per pass"
+        assert new_writes == 0, "converged adapters must not write (hot loop)"
+        assert pod.count("GET") >= N, "the drift checks still ran, against the pods only"

@@ -1,0 +1,198 @@
+"""The operator end to end: real kopf and kubernetes client, the emulator, moto S3, fake pods."""
+
+from __future__ import annotations
+
+from tests.operator.harness import OperatorThread, condition, wait_for
+
+
+def test_happy_path_to_ready_with_per_pod_status(world, artifacts):
+    world.create_base(replicas=2)
+    with OperatorThread(world.emu, world.ns):
+        a, b = world.add_pod(), world.add_pod()
+        world.create_adapter("chat", artifacts.uris["v1"], "v1")
+        adapter = world.wait_ready("chat", version="v1")
+        status = adapter["status"]
+        assert status["digest"] == artifacts.digests["v1"]
+        assert status["readyPods"] == status["desiredPods"] == 2
+        assert status["rank"] == 4
+        assert sorted(p["state"] for p in status["pods"]) == ["Serving", "Serving"]
+        for type_ in ("Validated", "Cached", "Warmed", "Ready"):
+            assert condition(adapter, type_)["status"] == "True", type_
+        assert condition(adapter, "Degraded")["status"] == "False"
+        assert a.serving("chat") == b.serving("chat") == "v1"
+        base = wait_for(
+            lambda: (
+                (b_ := world.get("LoRABase", "demo"))
+                and condition(b_, "Ready").get("status") == "True"
+                and b_
+            )
+        )
+        assert base["status"]["readyReplicas"] == 2
+        assert base["status"]["observedBaseHash"] == world.base_hash
+
+
+def events(world, reason: str | None = None) -> list[dict]:
+    items, _ = world.emu.store.list(world.emu.store.type_by_kind("v1", "Event"), world.ns, lambda e: True)
+    return [e for e in items if reason is None or e.get("reason") == reason]
+
+
+def test_every_reason(world, artifacts):
+    world.create_base(replicas=1)
+    world.create_base("offline", replicas=1, endpoint="http://127.0.0.1:9")  # nothing listens on 9
+    cases = {
+        "bad-signature": ("bad_signature", "BadSignature", {}),
+        "unsigned": ("unsigned", "Unsigned", {}),
+        "unknown-key": ("unknown_key", "UnknownKey", {}),
+        "base-mismatch": ("base_mismatch", "BaseMismatch", {}),
+        "rank-too-high": ("rank_too_high", "RankTooHigh", {}),
+        "digest-mismatch": ("v1", "DigestMismatch", {"manifestDigest": "sha256:" + "0" * 64}),
+    }
+    with OperatorThread(world.emu, world.ns):
+        world.add_pod()
+        for name, (label, _, source) in cases.items():
+            world.create_adapter(name, artifacts.uris[label], "v1")
+            if source:
+                world.api("PATCH", "LoRAAdapter", name, {"spec": {"source": source}})
+        world.create_adapter("unreachable", artifacts.uris["v1"], "v1", base="offline")
+        world.create_adapter("orphan", artifacts.uris["v1"], "v1", base="missing")
+        import time
+
+        t0 = time.monotonic()
+        for name, (_, reason, _) in cases.items():
+            adapter = world.wait_reason(name, reason)
+            print(name, time.monotonic() - t0)
+            assert condition(adapter, "Validated") == {**condition(adapter, "Validated"), "status": "False",
+                                                       "reason": reason}  # fmt: skip
+            assert condition(adapter, "Ready")["status"] == "False"
+        adapter = world.wait_reason("unreachable", "SourceUnreachable")
+        assert condition(adapter, "Validated")["status"] == "Unknown"  # transient: retried with backoff
+        world.wait_reason("orphan", "BaseNotFound")
+        assert not any(p.count("PUT") for p in world.pods.values()), "nothing unverified reaches a pod"
+        wait_for(lambda: events(world, "BadSignature") and events(world, "BaseNotFound"), what="Events")
+
+
+def test_pod_added_removed_and_scaled(world, artifacts):
+    world.create_base(replicas=2)
+    with OperatorThread(world.emu, world.ns):
+        first = world.add_pod()
+        world.create_adapter("chat", artifacts.uris["v1"], "v1")
+        world.wait_adapter("chat", lambda a: a["status"].get("readyPods") == 1, what="1 pod serving")
+        assert condition(world.adapter("chat"), "Ready")["status"] == "False"
+        second = world.add_pod()
+        world.wait_ready("chat")
+        assert second.serving("chat") == "v1" and first.serving("chat") == "v1"
+        world.remove_pod(next(n for n, p in world.pods.items() if p is second))
+        world.wait_adapter("chat", lambda a: condition(a, "Ready")["status"] == "False", what="not ready")
+        world.api("PATCH", "LoRABase", "demo", {"spec": {"replicas": 1}})  # what `kubectl scale` changes
+        world.wait_ready("chat")
+        deployment = wait_for(lambda: (d := world.get("Deployment", "demo"))["spec"]["replicas"] == 1 and d)
+        assert deployment["metadata"]["ownerReferences"][0]["kind"] == "LoRABase"
+
+
+def test_restarted_pod_gets_adapters_back_without_touching_the_cr(world, artifacts):
+    world.create_base(replicas=1)
+    with OperatorThread(world.emu, world.ns):
+        pod = world.add_pod()
+        world.create_adapter("chat", artifacts.uris["v1"], "v1")
+        before = world.wait_ready("chat")
+        pod.restart()  # the container restarted: its adapters are gone, the CR did not change
+        wait_for(lambda: pod.serving("chat") == "v1", what="adapter restored by the drift check")
+        assert world.adapter("chat")["metadata"]["generation"] == before["metadata"]["generation"]
+
+
+def test_new_version_with_a_failing_pod_rolls_back(world, artifacts):
+    world.create_base(replicas=3)
+    with OperatorThread(world.emu, world.ns):
+        pods = [world.add_pod() for _ in range(3)]
+        world.create_adapter("chat", artifacts.uris["v1"], "v1", rollout={"maxUnavailable": 2})
+        world.wait_ready("chat", version="v1")
+        pods[2].fail = "warm_fail:v2"
+        world.api(
+            "PATCH",
+            "LoRAAdapter",
+            "chat",
+            {"spec": {"source": {"uri": artifacts.uris["v2"]}, "version": "v2"}},
+        )
+        adapter = world.wait_reason("chat", "WarmFailed")
+        assert adapter["status"]["servingVersion"] == "v1"
+        wait_for(lambda: all(p.versions("chat") == {"v1"} for p in pods), what="v2 unloaded everywhere")
+        assert all(p.serving("chat") == "v1" for p in pods), "the old version serves everywhere"
+        wait_for(lambda: events(world, "WarmFailed"), what="a WarmFailed Event")
+        pods[2].fail = None
+        world.wait_ready("chat", version="v2", timeout=40)
+        wait_for(lambda: all(p.versions("chat") == {"v2"} for p in pods), what="v1 unloaded after the switch")
+
+
+def test_operator_restart_mid_rollout(world, artifacts):
+    world.create_base(replicas=2)
+    with OperatorThread(world.emu, world.ns):
+        a, b = world.add_pod(), world.add_pod()
+        world.create_adapter("chat", artifacts.uris["v1"], "v1")
+        world.wait_ready("chat", version="v1")
+        b.fail = "slow_warm:3"
+        world.api(
+            "PATCH",
+            "LoRAAdapter",
+            "chat",
+            {"spec": {"source": {"uri": artifacts.uris["v2"]}, "version": "v2"}},
+        )
+        wait_for(lambda: "v2" in a.versions("chat") and "v2" in b.versions("chat"), what="v2 loading")
+    assert a.serving("chat") == b.serving("chat") == "v1", "no switch before every pod is warm"
+    with OperatorThread(world.emu, world.ns):  # a new process: state from the API and the pods only
+        world.wait_ready("chat", version="v2", timeout=40)
+        wait_for(lambda: a.versions("chat") == b.versions("chat") == {"v2"})
+
+
+def test_deletion_holds_until_every_pod_unloads(world, artifacts):
+    world.create_base(replicas=2)
+    with OperatorThread(world.emu, world.ns):
+        a, b = world.add_pod(), world.add_pod()
+        world.create_adapter("chat", artifacts.uris["v1"], "v1")
+        world.wait_ready("chat")
+        b.stop()
+        world.api("DELETE", "LoRAAdapter", "chat")
+        held = world.wait_reason("chat", "UnloadFailed", timeout=30)
+        assert held["metadata"].get("deletionTimestamp")
+        assert "loraplane.dev/finalizer" in held["metadata"]["finalizers"]
+        assert any(p["state"] == "Unreachable" for p in held["status"]["pods"])
+        wait_for(lambda: events(world, "UnloadFailed"), what="an UnloadFailed Event")
+        b.start()
+        wait_for(lambda: not _exists(world, "chat"), timeout=30, what="finalizer released")
+        assert a.versions("chat") == b.versions("chat") == set()
+
+
+def _exists(world, name: str) -> bool:
+    try:
+        world.adapter(name)
+        return True
+    except Exception:  # noqa: BLE001 - the store raises NotFound
+        return False
+
+
+def test_conflict_storm(world, artifacts):
+    import threading
+
+    world.create_base(replicas=2)
+    stop = threading.Event()
+
+    def storm():
+        n = 0
+        while not stop.is_set():
+            n += 1
+            for name in ("chat",):
+                try:
+                    world.api("PATCH", "LoRAAdapter", name, {"metadata": {"annotations": {"storm": str(n)}}})
+                except Exception:  # noqa: BLE001 - before creation
+                    pass
+
+    with OperatorThread(world.emu, world.ns):
+        world.add_pod(), world.add_pod()
+        world.create_adapter("chat", artifacts.uris["v1"], "v1")
+        writer = threading.Thread(target=storm, daemon=True)
+        writer.start()
+        try:
+            world.wait_ready("chat", timeout=40)
+        finally:
+            stop.set()
+            writer.join()
+        assert "loraplane.dev/finalizer" in world.adapter("chat")["metadata"]["finalizers"]
