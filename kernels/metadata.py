@@ -29,14 +29,17 @@ __all__ = ["LoRABatchMeta"]
 class LoRABatchMeta:
     """Reusable metadata buffers for batches of up to ``capacity`` tokens.
 
-    ``capture=True`` marks buffers behind a CUDA graph: launch shapes then depend on the capacity only
-    (grid bounded by it, rank handled in chunks of 16), never on one step's contents.
+    ``capture=True`` marks buffers behind a CUDA graph: launch shapes then depend on the capacity and
+    ``max_rank`` only, never on one step's contents; every batch built into them must then use adapters
+    of rank <= ``max_rank`` (re-capture when a higher-rank adapter is loaded). A pool of rank-16
+    adapters captured with ``max_rank=16`` gets 16-row tiles throughout.
     """
 
     __slots__ = (
         "capacity",
         "tile_m",
         "capture",
+        "max_rank",
         "device",
         "_buf",
         "token_slot",
@@ -53,13 +56,21 @@ class LoRABatchMeta:
     )
 
     def __init__(
-        self, capacity: int, device: torch.device | str = "cpu", *, tile_m: int = 16, capture: bool = False
+        self,
+        capacity: int,
+        device: torch.device | str = "cpu",
+        *,
+        tile_m: int = 16,
+        capture: bool = False,
+        max_rank: int = 128,
     ) -> None:
         if not isinstance(capacity, int) or capacity <= 0:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         if tile_m not in (16, 32, 64, 128):
             raise ValueError(f"tile_m must be one of 16, 32, 64, 128, got {tile_m!r}")
-        self.capacity, self.tile_m, self.capture = capacity, tile_m, capture
+        if not isinstance(max_rank, int) or max_rank <= 0:
+            raise ValueError(f"max_rank must be a positive int, got {max_rank!r}")
+        self.capacity, self.tile_m, self.capture, self.max_rank = capacity, tile_m, capture, max_rank
         self.device = resolve_device(device)
         n = self._buf_len()
         self._buf = torch.zeros(n, dtype=torch.int32, device=self.device)
@@ -110,6 +121,10 @@ class LoRABatchMeta:
         ]
         self.num_tokens, self.host_num_tiles = total, len(tiles)
         self.host_max_rank = max((int(ranks[g[0]]) for g in self.groups), default=0)
+        if self.capture and self.host_max_rank > self.max_rank:
+            raise ValueError(
+                f"a batch adapter has rank {self.host_max_rank}, over these buffers' max_rank {self.max_rank}"
+            )
         self._upload(token_slot, order, np.asarray(tiles, dtype=np.int32).reshape(-1, 3))
         return self
 

@@ -10,12 +10,14 @@ the page table, so a rank-8 adapter moves an eighth of a rank-64 one.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 from .metadata import LoRABatchMeta
 
@@ -82,12 +84,19 @@ def _shrink_kernel(
             tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
             x_rows = x_ptr + tok * stride_xt  # [BM]
             v_rows = v_ptr + pid_k * stride_vk + tok * stride_vt  # [BM]
-            if rank <= SMALL_R:
-                _shrink_tile(
-                    x_rows, a_ptr, stride_as, stride_ar, v_rows, stride_vs, m_mask, slot, rank, page_table_ptr,
-                    k_begin, K, NUM_SLICES, SLICES_P2, PAGE, MAX_PAGES, BLOCK_M, SMALL_R, BLOCK_K, K_PER_SPLIT,
-                    PRECISION,
-                )  # fmt: skip
+            if BLOCK_R > SMALL_R:
+                if rank <= SMALL_R:
+                    _shrink_tile(
+                        x_rows, a_ptr, stride_as, stride_ar, v_rows, stride_vs, m_mask, slot, rank, page_table_ptr,
+                        k_begin, K, NUM_SLICES, SLICES_P2, PAGE, MAX_PAGES, BLOCK_M, SMALL_R, BLOCK_K, K_PER_SPLIT,
+                        PRECISION,
+                    )  # fmt: skip
+                else:
+                    _shrink_tile(
+                        x_rows, a_ptr, stride_as, stride_ar, v_rows, stride_vs, m_mask, slot, rank, page_table_ptr,
+                        k_begin, K, NUM_SLICES, SLICES_P2, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R, BLOCK_K, K_PER_SPLIT,
+                        PRECISION,
+                    )  # fmt: skip
             else:
                 _shrink_tile(
                     x_rows, a_ptr, stride_as, stride_ar, v_rows, stride_vs, m_mask, slot, rank, page_table_ptr,
@@ -170,12 +179,19 @@ def _expand_kernel(
             v_rows = v_ptr + sl * stride_vs + tok * stride_vt  # [BM]
             x_rows = x_ptr + tok * stride_xt  # [BM]
             a_rows_base = a_ptr + sl * stride_as
-            if rank <= SMALL_R:
-                _expand_tile(
-                    v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
-                    slot, rank, scale, page_table_ptr, c0, SPLIT, PAGE, MAX_PAGES, BLOCK_M, SMALL_R, BLOCK_N,
-                    N_CHUNK, BLOCK_K, FUSED, PRECISION,
-                )  # fmt: skip
+            if BLOCK_R > SMALL_R:
+                if rank <= SMALL_R:
+                    _expand_tile(
+                        v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
+                        slot, rank, scale, page_table_ptr, c0, SPLIT, PAGE, MAX_PAGES, BLOCK_M, SMALL_R, BLOCK_N,
+                        N_CHUNK, BLOCK_K, FUSED, PRECISION,
+                    )  # fmt: skip
+                else:
+                    _expand_tile(
+                        v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
+                        slot, rank, scale, page_table_ptr, c0, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R, BLOCK_N,
+                        N_CHUNK, BLOCK_K, FUSED, PRECISION,
+                    )  # fmt: skip
             else:
                 _expand_tile(
                     v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
@@ -241,10 +257,12 @@ def pick_config(
     tiles_bound = meta.capacity if meta.capture else max(1, meta.host_num_tiles)
     slices_p2 = _pow2_at_least(len(out_dims), 1)
     prefill = meta.tile_m >= 64
-    # Ranks are unknown at capture: 64-row chunks (rank 128 takes two passes).
-    block_r = 64 if meta.capture else min(64, _pow2_at_least(meta.host_max_rank, 16))
+    # Under capture only the buffers' rank bound is known (rank 128 takes two 64-row passes).
+    top = meta.max_rank if meta.capture else meta.host_max_rank
+    block_r = min(64, _pow2_at_least(top, 16))
     shrink_block_r = max(16, min(block_r, 256 // slices_p2))
-    block_k = 128 if not prefill else (64 if shrink_block_r * slices_p2 <= 64 else 32)
+    j = shrink_block_r * slices_p2  # width of shrink's A tile; keep its pipelined stages in shared memory
+    block_k = (128 if j <= 128 else 64) if not prefill else (64 if j <= 64 else 32)
     if prefill:
         split = 2  # run 2 sweep: 10-20% over split 1 at T=8192
     else:
@@ -267,7 +285,7 @@ def pick_config(
         n_chunk *= 2
     return LaunchConfig(
         block_r=block_r, shrink_block_r=shrink_block_r, block_k=block_k, block_n=block_n, n_chunk=n_chunk,
-        split_k=split, fused=False, num_stages=4 if prefill else 3,
+        split_k=split, fused=False, num_stages=3,
     )  # fmt: skip
 
 
@@ -386,7 +404,20 @@ def lora_apply_triton(
     if any(w % cfg.n_chunk for w in out_dims):
         raise ValueError(f"LaunchConfig.n_chunk {cfg.n_chunk} must divide every slice width {out_dims}")
     page_table, ranks, scales, page_rank, max_rank = pool_tables
-    v = None
-    if not cfg.fused:
-        v = shrink_triton(x, a, page_table, ranks, meta, page_rank, max_rank, cfg)
-    return expand_triton(y, v, bt, page_table, ranks, scales, out_starts, meta, page_rank, cfg, x, a)
+    cfg = _FALLBACK.get(cfg, cfg)
+    try:
+        v = None
+        if not cfg.fused:
+            v = shrink_triton(x, a, page_table, ranks, meta, page_rank, max_rank, cfg)
+        return expand_triton(y, v, bt, page_table, ranks, scales, out_starts, meta, page_rank, cfg, x, a)
+    except OutOfResources:
+        # Compilation happens on the first call (never inside a graph capture): retry with shallower
+        # pipelines and narrower K tiles, and remember the choice.
+        if cfg.num_stages <= 2 and cfg.block_k <= 32:
+            raise
+        smaller = dataclasses.replace(cfg, num_stages=2, block_k=max(32, cfg.block_k // 2))
+        _FALLBACK[cfg] = smaller
+        return lora_apply_triton(y, x, a, bt, pool_tables, out_dims, out_starts, meta, smaller)
+
+
+_FALLBACK: dict[LaunchConfig, LaunchConfig] = {}

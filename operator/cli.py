@@ -47,8 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between drift checks of each adapter against its pods",
     )
     run.add_argument("--verbose", action="store_true")
-    crds = sub.add_parser("crds", help="write or check the CRD YAML")
-    crds.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("crds", help="write or check the CRD YAML: crds --write DIR | --check DIR")
     return parser  # fmt: skip
 
 
@@ -70,7 +69,9 @@ def run(args) -> int:
     )
     kopf.run(
         registry=kopf.get_default_registry(),
-        settings=handlers.make_settings(standalone=args.standalone, peering=args.peering),
+        settings=handlers.make_settings(
+            standalone=args.standalone, peering=args.peering, scanning=args.all_namespaces
+        ),
         memo=kopf.Memo(ctx=ctx),
         standalone=args.standalone,
         peering_name=args.peering,
@@ -83,9 +84,9 @@ def run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if args.command == "crds":
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["crds"]:  # its own parser (python -m loraplane.operator.crds)
         from loraplane.operator import crds
 
-        return crds.main(args.rest)
-    return run(args)
+        return crds.main(argv[1:])
+    return run(_parser().parse_args(argv))

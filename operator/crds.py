@@ -100,7 +100,7 @@ def loraadapter_crd() -> dict:
         {"name": "Pods-Ready", "type": "integer", "jsonPath": ".status.readyPods"},
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredPods"},
         {"name": "Base", "type": "string", "jsonPath": ".spec.baseRef.name", "priority": 1},
-        {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Degraded")].reason'},
+        {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
         age_column(),
     ]
     return crd(

@@ -24,8 +24,13 @@ FINALIZER = "loraplane.dev/finalizer"
 BASE, ADAPTER = "LoRABase", "LoRAAdapter"
 
 
-def make_settings(*, standalone: bool = False, peering: str | None = None) -> kopf.OperatorSettings:
+def make_settings(
+    *, standalone: bool = False, peering: str | None = None, scanning: bool = False
+) -> kopf.OperatorSettings:
+    """kopf settings. ``scanning`` (cluster-wide mode) watches CRDs and namespaces, which needs a ClusterRole;
+    namespaced mode discovers the resources once at startup and needs none."""
     settings = kopf.OperatorSettings()
+    settings.scanning.disabled = not scanning
     settings.persistence.finalizer = FINALIZER
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="kopf.loraplane.dev")
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="kopf.loraplane.dev")

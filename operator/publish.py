@@ -36,10 +36,13 @@ async def publish(ctx: Context, body: dict, ref: Ref, status: dict) -> bool:
             continue
         bad = (cond["status"] == C.TRUE) == (cond["type"] in _NEGATIVE)
         message = f"{cond['type']}={cond['status']}: {cond['message']}"
-        try:
-            kopf.event(
-                dict(body), type="Warning" if bad else "Normal", reason=cond["reason"], message=message
-            )
-        except Exception:  # outside a running operator (posting queue absent): logs still say it
-            log.info("%s/%s %s", ref.namespace, ref.name, message)
+        post_event(body, "Warning" if bad else "Normal", cond["reason"], message)
     return True
+
+
+def post_event(body: dict, type_: str, reason: str, message: str) -> None:
+    try:
+        kopf.event(dict(body), type=type_, reason=reason, message=message)
+    except Exception:  # outside a running operator (no posting queue): the log still says it
+        meta = body.get("metadata") or {}
+        log.info("%s/%s %s: %s", meta.get("namespace"), meta.get("name"), reason, message)

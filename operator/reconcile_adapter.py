@@ -18,7 +18,7 @@ from loraplane.operator.builders import admin_token_key, admin_token_secret_name
 from loraplane.operator.context import Context
 from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec, SpecError
 from loraplane.operator.kube import custom_ref
-from loraplane.operator.publish import publish
+from loraplane.operator.publish import post_event, publish
 from loraplane.operator.validation import ValidationFailed, validate
 
 
@@ -30,6 +30,7 @@ class Verdict:
     fields: dict = field(default_factory=dict)
     failed: bool = False
     pending: bool = False
+    rolled_back: list = field(default_factory=list)  # pods switched back or cleaned after a failure
 
     def set(self, type_: str, status: str, reason: str, message: str) -> None:
         self.conditions[type_] = (status, reason, message)
@@ -60,10 +61,10 @@ async def _each(ctx: Context, pods, fn) -> list:
     return await asyncio.gather(*(one(p) for p in pods))
 
 
-async def observe(ctx: Context, pods: list[PodAddress], token: str) -> list[R.PodView]:
+async def observe(ctx: Context, pods: list[PodAddress], token: str, name: str) -> list[R.PodView]:
     async def look(pod: PodAddress) -> R.PodView:
         try:
-            return R.PodView(pod, tuple(await ctx.admin.list(pod, token)))
+            return R.PodView(pod, tuple(await ctx.admin.list(pod, token, name)))
         except AdminError as exc:
             return R.PodView(pod, None, exc)
 
@@ -83,8 +84,10 @@ async def _act(ctx: Context, pods, call) -> dict[str, AdminError]:
     return dict(r for r in await _each(ctx, pods, attempt) if r)
 
 
-async def converge(ctx, views, target, request, max_unavailable, token) -> tuple[dict[str, AdminError], bool]:
-    """Load, switch, clean up (rollout.py). Returns (errors by pod, still pending)."""
+async def converge(
+    ctx, views, target, request, max_unavailable, token
+) -> tuple[dict[str, AdminError], bool, list]:
+    """Load, switch, clean up (rollout.py). Returns (errors by pod, still pending, pods rolled back)."""
     name = target.name
     errors: dict[str, AdminError] = {}
     pending = False
@@ -104,10 +107,21 @@ async def converge(ctx, views, target, request, max_unavailable, token) -> tuple
             cleanup = [(v, old) for v in views for old in R.needs_cleanup(v, target)]
             await _act(ctx, cleanup, lambda vo: ctx.admin.unload(vo[0].address, token, name, vo[1].version))
     if errors:
-        fresh = await observe(ctx, [v.address for v in views], token)
+        fresh = await observe(ctx, [v.address for v in views], token, name)
         undo = R.rollback_plan(fresh, target)
         await _act(ctx, undo, lambda u: _undo(ctx, u, token, target))
-    return errors, pending
+        return errors, pending, [u.pod.name for u in undo]
+    return errors, pending, []
+
+
+def _converged(views: list[R.PodView], target: R.Target) -> bool:
+    return all(
+        v.reachable
+        and not R.needs_load(v, target)
+        and not R.needs_switch(v, target)
+        and not R.needs_cleanup(v, target)
+        for v in views
+    )
 
 
 async def _load(ctx, pod, token, name, request):
@@ -161,9 +175,14 @@ async def run_pass(
         return verdict, views
     target = R.Target(meta["name"], spec.version, verified.digest)
     request = LoadRequest(spec.uri, spec.version, verified.digest, spec.pin, spec.warm)
-    views = await observe(ctx, pods, token)
-    errors, pending = await converge(ctx, views, target, request, spec.max_unavailable, token)
-    views = await observe(ctx, pods, token)
+    views = await observe(ctx, pods, token, target.name)
+    if _converged(views, target):  # the common case, a drift check that finds nothing to do
+        errors, pending = {}, False
+    else:
+        errors, pending, verdict.rolled_back = await converge(
+            ctx, views, target, request, spec.max_unavailable, token
+        )
+        views = await observe(ctx, pods, token, target.name)
     views = [R.PodView(v.address, v.loaded, errors.get(v.name) or v.error) for v in views]
     _summarize(verdict, views, target, base_spec.replicas, errors, pending)
     return verdict, views
@@ -223,6 +242,10 @@ def status_of(adapter: dict, verdict: Verdict, views: list, now: str) -> dict:
     return status
 
 
+def spec_version(adapter: dict) -> str:
+    return str((adapter.get("spec") or {}).get("version", ""))
+
+
 def metric_state(verdict: Verdict) -> str:
     if verdict.conditions.get(C.VALIDATED, ("",))[0] == C.FALSE:
         return "Invalid"
@@ -242,6 +265,9 @@ async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[P
             adapter = {**adapter, "status": first}
         verdict, views = await run_pass(ctx, adapter, base, pods)
         await publish(ctx, adapter, ref, status_of(adapter, verdict, views, C.now()))
+        if verdict.rolled_back:
+            message = f"{spec_version(adapter)} failed; rolled back on {', '.join(verdict.rolled_back)}"
+            post_event(adapter, "Warning", C.ROLLED_BACK, message)
         metrics.set_adapter_state(meta["namespace"], meta["name"], metric_state(verdict),
                                   verdict.fields.get("readyPods", 0))  # fmt: skip
         outcome["result"] = "retry" if verdict.failed else "ok"

@@ -24,6 +24,8 @@ class ServeOptions:
     device: str = "auto"
     max_num_seqs: int = 256
     max_model_len: int | None = None
+    num_kv_blocks: int | None = None  # default: sized from free memory
+    model_sha256: str | None = None  # the pinned base hash: refuse to serve other weights
     api_keys_file: str | None = None
     served_model_name: str | None = None
     log_level: str = "info"
@@ -33,6 +35,10 @@ class ServeOptions:
             raise ValueError(f"port: must be in [0, 65535], got {self.port}")
         if not Path(self.model, "config.json").is_file():
             raise ValueError(f"model: {self.model} is not a model folder (no config.json)")
+        if self.model_sha256 is not None:
+            self.model_sha256 = self.model_sha256.removeprefix("sha256:").lower()
+            if len(self.model_sha256) != 64 or any(c not in "0123456789abcdef" for c in self.model_sha256):
+                raise ValueError("model_sha256: must be 64 hex digits (as `loraplane model hash` prints)")
 
     @property
     def model_name(self) -> str:
@@ -41,9 +47,12 @@ class ServeOptions:
 
 def build_parser(prog: str = "loraplane serve") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog, description="Serve a model folder over the OpenAI API.")
-    parser.add_argument("--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)")
+    parser.add_argument(
+        "--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)"
+    )
     add_server_arguments(parser)
     parser.add_argument("--served-model-name", help="the name clients put in `model` (default: folder name)")
+    parser.add_argument("--model-sha256", help="pinned base hash; refuse to start on other weights")
     return parser
 
 
@@ -54,6 +63,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from memory)"
+    )
     parser.add_argument("--api-keys-file", help="file with one API key per line; without it, no auth")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
@@ -74,6 +86,7 @@ def build_engine(options: ServeOptions, tokenizer):
         device=options.device,
         max_num_seqs=options.max_num_seqs,
         max_model_len=options.max_model_len,
+        num_kv_blocks=options.num_kv_blocks,
     )
     return AsyncEngine.from_config(config, tokenizer)
 
@@ -87,6 +100,7 @@ def build_app(options: ServeOptions):
     tokenizer = load_tokenizer(options.model)
     engine = build_engine(options, tokenizer)
     try:
+        _check_base_hash(options, engine.engine.runner.base_hash)
         app = create_app(engine, tokenizer, options.model_name, api_keys)
     except BaseException:
         engine.close()
@@ -94,6 +108,14 @@ def build_app(options: ServeOptions):
     if api_keys is None and not _is_loopback(options.host):
         log.warning("serving on %s without API keys: anyone who reaches it may use it", options.host)
     return app, engine
+
+
+def _check_base_hash(options: ServeOptions, loaded: str) -> None:
+    """The runner hashed the weights it loaded (the artifacts module's definition); compare with the pin."""
+    if options.model_sha256 is not None and loaded != options.model_sha256:
+        raise ValueError(
+            f"model_sha256: the weights in {options.model} hash to {loaded}, not the pinned {options.model_sha256}"
+        )
 
 
 def _is_loopback(host: str) -> bool:
@@ -107,7 +129,9 @@ def run(options: ServeOptions, on_ready=None) -> int:
     """Build, call ``on_ready(app)`` (a banner, say), serve until interrupted, close the engine."""
     import uvicorn
 
-    logging.basicConfig(level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     app, engine = build_app(options)
     try:
         if on_ready is not None:
@@ -127,9 +151,11 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
         device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
+        num_kv_blocks=args.num_kv_blocks,
         api_keys_file=args.api_keys_file,
         served_model_name=served_model_name,
         log_level=args.log_level,
+        model_sha256=getattr(args, "model_sha256", None),
     )
 
 

@@ -146,8 +146,73 @@ def e2e_floor(cfg: ModelConfig, n_params: int, bw: float, tflops: float, weight_
     return seconds
 
 
+def attention_rows(runner: ModelRunner, bw: float) -> list[dict]:
+    """The paged decode kernel alone on one layer's cache, B=64 x ctx 512, a few launch configurations."""
+    from loraplane.server.engine.attention import paged_decode
+
+    cfg, B = runner.model_config, 64
+    layer = runner.model.model.layers[0].self_attn
+    per = -(-CTX // runner.block_size)
+    tables = torch.arange(B * per, dtype=torch.int32, device="cuda").view(B, per)
+    lens = torch.full((B,), CTX, dtype=torch.int32, device="cuda")
+    q = torch.randn(B, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
+    kv_bytes = B * CTX * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    rows = []
+    for block_n, warps, stages in [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8, 3)]:
+        ms = median_ms(
+            lambda n=block_n, w=warps, st=stages: paged_decode(
+                q, layer.k_cache, layer.v_cache, tables, lens, 0.088, None, n, w, st
+            ),
+            iters=50,
+        )
+        rows.append({"case": f"attn B={B} ctx={CTX} block_n={block_n} warps={warps} stages={stages}",
+                     "batch": B, "graph_ms": ms, "floor_ms": kv_bytes / bw / 1e6,
+                     "x_floor": ms / (kv_bytes / bw / 1e6)})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def breakdown_rows(
+    runner: ModelRunner, floor_weights: int, bw: float, tflops: float, n_params: int
+) -> list[dict]:
+    """The two step kinds the end-to-end run is made of: a full 8192-token prefill and a B=256 decode."""
+    cfg = runner.model_config
+    seqs = make_seqs(runner, 16, E2E_IN, first_block=0)
+    prefill = ScheduledBatch([ScheduledChunk(s, 0, E2E_IN, True) for s in seqs])
+    prefill_ms = median_ms(lambda: runner.forward_logits(prefill), iters=5, warmup=2)
+    lm_head = cfg.vocab_size * cfg.hidden_size  # scored for the 16 last rows only
+    attn = 4 * cfg.num_layers * cfg.q_size * (E2E_IN * (E2E_IN + 1) // 2)
+    flops = 16 * (E2E_IN * 2 * (n_params - lm_head) + 2 * lm_head + attn)
+    ctx = E2E_IN + E2E_OUT // 2
+    dseqs = make_seqs(runner, 256, ctx, first_block=2000)
+    for s in dseqs:
+        s.num_computed_tokens = ctx - 1
+    decode = ScheduledBatch([ScheduledChunk(s, ctx - 1, 1, True) for s in dseqs])
+    decode_ms = median_ms(lambda: runner.forward_logits(decode), iters=20)
+    step_ms = median_ms(lambda: runner.execute(decode), iters=20)
+    floor_ms = (floor_weights + 256 * ctx * kv_bytes_per_token(cfg)) / bw / 1e6
+    return [
+        {"case": f"prefill 16x{E2E_IN} (8192 tok, eager)", "graph_ms": prefill_ms, "floor_ms": flops / tflops / 1e9,
+         "x_floor": prefill_ms / (flops / tflops / 1e9)},
+        {"case": f"decode B=256 ctx={ctx}", "batch": 256, "floor_ms": floor_ms, "graph_ms": decode_ms,
+         "step_ms": step_ms, "x_floor": decode_ms / floor_ms, "step_x_floor": step_ms / floor_ms},
+    ]  # fmt: skip
+
+
 def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
     engine = LLMEngine(engine_cfg, runner=runner)
+    timing = {"decode_s": 0.0, "mixed_s": 0.0, "decode_steps": 0, "mixed_steps": 0}
+    execute = runner.execute
+
+    def timed_execute(batch):  # execute() ends in a host transfer, so wall time is device time + host prep
+        t = time.perf_counter()
+        out = execute(batch)
+        kind = "decode" if batch.is_decode_only else "mixed"
+        timing[f"{kind}_s"] += time.perf_counter() - t
+        timing[f"{kind}_steps"] += 1
+        return out
+
+    runner.execute = timed_execute
     seqs = make_seqs(runner, E2E_REQUESTS, E2E_IN)
     prompts = [s.prompt_token_ids for s in seqs]
     params = SamplingParams(temperature=0.0, max_tokens=E2E_OUT, ignore_eos=True)
@@ -158,7 +223,10 @@ def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     assert all(len(o) == E2E_OUT for o in outs)
-    return {"seconds": elapsed, "tok_s": E2E_REQUESTS * E2E_OUT / elapsed, "preemptions": engine.num_preemptions,
+    runner.execute = execute
+    timing["engine_overhead_s"] = elapsed - timing["decode_s"] - timing["mixed_s"]
+    print(json.dumps(timing), flush=True)
+    return {"seconds": elapsed, "timing": timing, "tok_s": E2E_REQUESTS * E2E_OUT / elapsed, "preemptions": engine.num_preemptions,
             "prompts": prompts, "first_outputs": outs[:4]}  # fmt: skip
 
 
@@ -211,6 +279,8 @@ def run(argv: list[str]) -> dict:
     runner = ModelRunner(engine_cfg, model=model, model_config=cfg)
     init_s = time.perf_counter() - t0
     rows = decode_rows(runner, cfg, bw, weight_read)
+    rows += breakdown_rows(runner, weight_read, bw, tflops, n_params)
+    rows += attention_rows(runner, bw)
     floor_s = e2e_floor(cfg, n_params, bw, tflops, weight_read)
     ours = None if args.skip_e2e else run_engine_e2e(runner, engine_cfg)
     rows.append({"case": f"e2e {E2E_REQUESTS}x{E2E_IN}->{E2E_OUT} floor", "tok_s": E2E_REQUESTS * E2E_OUT / floor_s,
@@ -251,7 +321,10 @@ def run(argv: list[str]) -> dict:
             "kv bytes per token": kv_bytes_per_token(cfg),
             "num_kv_blocks": runner.num_kv_blocks,
             "runner init s (profile + KV + graph capture)": round(init_s, 1),
-            "greedy agreement ours vs transformers (first 4 requests, bf16)": agree,
+            "greedy agreement ours vs transformers (first 4 requests, bf16, random weights)": agree,
+            "e2e step timing (s)": None
+            if ours is None
+            else {k: round(v, 3) for k, v in ours["timing"].items()},
         },
         "notes": [
             "graph_ms: CUDA-graph forward (inputs copied in, logits out); step_ms: runner.execute (host input "

@@ -164,7 +164,10 @@ def run_case(
     reqs = case_requests(phase, T, n)
     slot_reqs = [(bank.slots[a], c) for a, c in reqs]
     capture = phase == "decode"
-    meta = LoRABatchMeta(T, "cuda", tile_m=16 if capture else 64, capture=capture)
+    # A captured decode graph is specialized to the pool's highest rank (re-captured when it grows).
+    meta = LoRABatchMeta(
+        T, "cuda", tile_m=16 if capture else 64, capture=capture, max_rank=max(bank.pool.host_ranks())
+    )
     meta.build(slot_reqs, bank.pool.host_ranks())
     sets = io_sets(spec, T, SETS)
     # Correctness at full scale: one apply against the per-adapter loop in float32.
@@ -306,7 +309,10 @@ def run_sweep(bw: float, base: dict) -> list[dict]:
     out = []
     for name, rname, phase, T, n in picks:
         bank = make_bank(SHAPES[name], RANKS[rname], RESIDENT)
-        meta = LoRABatchMeta(T, "cuda", tile_m=16 if phase == "decode" else 64, capture=phase == "decode")
+        meta = LoRABatchMeta(
+            T, "cuda", tile_m=16 if phase == "decode" else 64, capture=phase == "decode",
+            max_rank=max(bank.pool.host_ranks()),
+        )  # fmt: skip
         meta.build([(bank.slots[a], c) for a, c in case_requests(phase, T, n)], bank.pool.host_ranks())
         d = pick_config(meta, bank.spec.in_dim, bank.spec.out_dims, DT)
         variants = {"default": d}

@@ -152,7 +152,8 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, scale
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, block_n: int = 64,
+                 num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:  # fmt: skip
     """q: [B, Hq, D]; caches [N, bs, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32 -> [B, Hq, D]."""
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
@@ -160,14 +161,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1
     group = Hq // Hkv
     out = torch.empty_like(q) if out is None else out
-    block_n = max(64, block_size)
+    block_n = max(block_n, block_size)
     _paged_decode_kernel[(B, Hkv)](
         q, k_cache, v_cache, block_tables, seq_lens, out, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=max(16, triton.next_power_of_2(D)),
         BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return out
 

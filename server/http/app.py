@@ -32,7 +32,9 @@ class ServedModels:
         """The engine adapter for ``name`` (None: the base model); 404 naming ``model`` when unknown."""
         if name == self.base_name:
             return None
-        raise APIError(404, f"The model `{name}` does not exist.", param="model", type=NOT_FOUND, code="model_not_found")
+        raise APIError(
+            404, f"The model `{name}` does not exist.", param="model", type=NOT_FOUND, code="model_not_found"
+        )
 
     def cards(self) -> list[ModelCard]:
         return [ModelCard(id=self.base_name, created=self.created, root=self.base_name)]

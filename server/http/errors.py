@@ -46,7 +46,9 @@ class APIError(Exception):
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
     def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code))
+        return ErrorResponse(
+            error=ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        )
 
     def response(self) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
@@ -86,9 +88,14 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        # A union field fails once per branch; the deepest failure is the most telling ("content[0].type").
+        first = max(
+            errors, key=lambda e: len(e.get("loc", ())), default={"loc": (), "msg": "invalid request"}
+        )
         if first.get("type") == "json_invalid":
-            return bad_request(f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}").response()
+            return bad_request(
+                f"malformed JSON body: {first.get('ctx', {}).get('error', first['msg'])}"
+            ).response()
         param = _loc_to_param(tuple(first.get("loc", ())))
         if param is None and first.get("type") == "missing":
             return bad_request("a JSON object body is required").response()

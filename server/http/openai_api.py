@@ -39,7 +39,9 @@ from .streaming import (
 router = APIRouter()
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to all the room left
+COMPLETIONS_DEFAULT_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; chat defaults to all the room left
+)
 
 
 @router.get("/models")
@@ -73,7 +75,12 @@ def _refuse_unsupported(body: ChatCompletionRequest | CompletionRequest) -> None
 
 
 def _fit_max_tokens(
-    state: ServerState, prompt_len: int, requested: int | None, param: str, default: int | None, prompt_param: str
+    state: ServerState,
+    prompt_len: int,
+    requested: int | None,
+    param: str,
+    default: int | None,
+    prompt_param: str,
 ) -> int:
     """The output budget: ``requested`` if prompt + requested fits max_model_len, else a 400 naming the field."""
     limit = state.max_model_len
@@ -116,7 +123,9 @@ def _sampling(
         raise from_engine_value_error(exc, prompt_param) from None
 
 
-def _submit(state: ServerState, prompt: list[int], sampling: SamplingParams, adapter, request_id, prompt_param):
+def _submit(
+    state: ServerState, prompt: list[int], sampling: SamplingParams, adapter, request_id, prompt_param
+):
     try:
         return state.engine.add_request(prompt, sampling, request_id=request_id, adapter=adapter)
     except ValueError as exc:
@@ -187,7 +196,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     choice = ChatChoice(
         message=ResponseMessage(content=result.text), logprobs=logprobs, finish_reason=result.finish_reason
     )
-    response = ChatCompletion(id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage)
+    response = ChatCompletion(
+        id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
+    )
     return JSONResponse(response.model_dump())
 
 
@@ -213,5 +224,7 @@ async def completions(body: CompletionRequest, request: Request):
     if body.logprobs is not None:
         logprobs = completion_logprobs(result.token_ids, result.logprobs, body.logprobs, texts)
     choice = CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=result.finish_reason)
-    response = Completion(id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage)
+    response = Completion(
+        id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
+    )
     return JSONResponse(response.model_dump())

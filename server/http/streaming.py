@@ -52,7 +52,9 @@ async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_id:
 
 def usage_of(out: RequestOutput) -> Usage:
     total = out.num_prompt_tokens + out.num_output_tokens
-    return Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens, total_tokens=total)
+    return Usage(
+        prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens, total_tokens=total
+    )
 
 
 @dataclass(slots=True)
@@ -135,7 +137,9 @@ def chat_logprobs(
     content = []
     for token_id, entry in zip(token_ids, entries, strict=True):
         sampled = top(token_id, entry[token_id])
-        content.append(TokenLogprob(**sampled.model_dump(), top_logprobs=[top(t, lp) for t, lp in _top(entry, k)]))
+        content.append(
+            TokenLogprob(**sampled.model_dump(), top_logprobs=[top(t, lp) for t, lp in _top(entry, k)])
+        )
     return ChatLogprobs(content=content)
 
 
@@ -147,10 +151,15 @@ def completion_logprobs(
         text = texts(token_id)
         tokens.append(text)
         token_logprobs.append(entry[token_id])
-        tops.append({texts(t): lp for t, lp in _top(entry, k)})
+        top: dict[str, float] = {}
+        for t, lp in _top(entry, k):
+            top.setdefault(texts(t), lp)  # two tokens may share a text (partial UTF-8): keep the likelier
+        tops.append(top)
         offsets.append(offset)
         offset += len(text)
-    return CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
+    )
 
 
 # --- stream renderers ---------------------------------------------------------------------------------------

@@ -122,28 +122,82 @@ def test_gpu_fp32_logits_match_transformers(tiny_llama_dir, enforce_eager):
     assert err < 1e-4
 
 
+def teacher_forced_argmax(
+    runner: ModelRunner, sequences: list[list[int]], prompt_lens: list[int]
+) -> list[list[int]]:
+    """Our engine's greedy choice at every generated position of each sequence, fed the given tokens:
+    one prefill per sequence, then batched decode steps (CUDA graphs on the GPU)."""
+    seqs = [Sequence(s, SamplingParams(temperature=0.0)) for s in sequences]
+    for i, seq in enumerate(seqs):
+        need = -(-len(seq.token_ids) // runner.block_size)
+        seq.block_table = list(range(i * need, (i + 1) * need))
+    chunks = [ScheduledChunk(s, 0, n, True) for s, n in zip(seqs, prompt_lens, strict=True)]
+    preds: list[list[int]] = [[] for _ in seqs]
+    while chunks:
+        tokens = [t.token_id for t in runner.execute(ScheduledBatch(chunks))]
+        for c, pred, tok in zip(chunks, preds, tokens, strict=True):
+            pred.append(tok)
+            c.seq.num_computed_tokens = c.start + c.num_tokens
+        chunks = [
+            ScheduledChunk(s, s.num_computed_tokens, 1, True)
+            for s in seqs
+            if s.num_computed_tokens < s.num_tokens - 1
+        ]
+    return preds
+
+
 @pytest.mark.gpu
-def test_gpu_bf16_top1_agreement_over_256_greedy_tokens(make_hf_model):
-    """Teacher-forced: transformers (bf16, GPU) generates 256 greedy tokens per prompt; our engine (bf16, CUDA
-    graphs, batched decode) scores the same sequences; top-1 agreement >= 99%."""
+def test_gpu_bf16_as_close_to_fp32_as_transformers_bf16(make_hf_model):
+    """Random models are chaotic in bf16 (transformers' own bf16 greedy agrees ~91% with its fp32), so here the
+    bar is relative: our bf16 argmax agrees with the fp32 reference at least as often as transformers' bf16.
+    The absolute >= 99% check runs on the trained demo model (test_demo_model.py)."""
     model_dir = make_hf_model("llama", seed=11, num_hidden_layers=4, hidden_size=128, intermediate_size=256,
                               vocab_size=512, max_position_embeddings=1024)  # fmt: skip
     prompts = [random.Random(i).choices(range(512), k=16 + 5 * i) for i in range(4)]
-    outputs = [hf_greedy(model_dir, p, 256, device="cuda", dtype=torch.bfloat16) for p in prompts]
+    sequences = [p + hf_greedy(model_dir, p, 256, device="cuda", dtype=torch.bfloat16) for p in prompts]
+    hf32 = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    with torch.no_grad():
+        ref = [hf32(torch.tensor([s], device="cuda")).logits[0, len(p) - 1 : -1].argmax(-1).tolist()
+               for s, p in zip(sequences, prompts, strict=True)]  # fmt: skip
     runner = ModelRunner(EngineConfig(model=str(model_dir), device="cuda", max_num_seqs=8))
-    seqs = [Sequence(p + o, SamplingParams(temperature=0.0)) for p, o in zip(prompts, outputs, strict=True)]
-    for i, seq in enumerate(seqs):
-        seq.block_table = list(range(i * 20, i * 20 + 20))
-    preds = [[] for _ in seqs]
-    chunks = [ScheduledChunk(s, 0, len(p), True) for s, p in zip(seqs, prompts, strict=True)]
-    for step in range(256):
-        tokens = [t.token_id for t in runner.execute(ScheduledBatch(chunks))]
-        for s, pred, tok, c in zip(seqs, preds, tokens, chunks, strict=True):
-            pred.append(tok)
-            s.num_computed_tokens = c.start + c.num_tokens
-        if step < 255:
-            chunks = [ScheduledChunk(s, s.num_computed_tokens, 1, True) for s in seqs]
-    agree = sum(
-        p == o for pred, out in zip(preds, outputs, strict=True) for p, o in zip(pred, out, strict=True)
+    ours = teacher_forced_argmax(runner, sequences, [len(p) for p in prompts])
+    hf_agree = sum(
+        t == r
+        for s, p, rr in zip(sequences, prompts, ref, strict=True)
+        for t, r in zip(s[len(p) :], rr, strict=True)
     )
-    assert agree / (256 * len(seqs)) >= 0.99, agree
+    our_agree = sum(o == r for oo, rr in zip(ours, ref, strict=True) for o, r in zip(oo, rr, strict=True))
+    assert our_agree >= hf_agree - 0.02 * 256 * len(prompts), (our_agree, hf_agree)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_bf16_demo_model_top1_agreement_over_256_greedy_tokens():
+    """SmolLM2 demo, bf16 on the GPU: transformers generates 256 greedy tokens per chat prompt; our engine,
+    teacher-forced on those tokens (prefill + batched CUDA-graph decode), picks the same top-1 >= 99%."""
+    pytest.importorskip("gguf")
+    from loraplane.server.engine.demo_model import DemoModelError, ensure_demo_model
+
+    try:
+        demo_dir = ensure_demo_model()
+    except DemoModelError as exc:
+        pytest.skip(str(exc))
+    tokenizer = transformers.AutoTokenizer.from_pretrained(demo_dir)
+    questions = [
+        "What is the capital of France?",
+        "Write a short poem about the sea.",
+        "Explain what a GPU is.",
+    ]
+    prompts = []
+    for q in questions:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    sequences = [p + hf_greedy(demo_dir, p, 256, device="cuda", dtype=torch.bfloat16) for p in prompts]
+    runner = ModelRunner(EngineConfig(model=str(demo_dir), device="cuda", max_num_seqs=8, max_model_len=1024))
+    ours = teacher_forced_argmax(runner, sequences, [len(p) for p in prompts])
+    agree = sum(
+        o == t
+        for oo, s, p in zip(ours, sequences, prompts, strict=True)
+        for o, t in zip(oo, s[len(p) :], strict=True)
+    )
+    assert agree / (256 * len(prompts)) >= 0.99, agree

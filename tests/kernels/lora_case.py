@@ -56,6 +56,7 @@ def make_case(
     capture: bool = False,
     capacity: int | None = None,
     resident_extra: int = 2,
+    max_rank: int = 128,
 ) -> Case:
     seed = secrets.randbits(31)
     g = torch.Generator().manual_seed(seed)
@@ -89,7 +90,8 @@ def make_case(
         i += 0 if base_only else 1
         t += n
     cap = capacity or num_tokens
-    meta = LoRABatchMeta(cap, device, tile_m=tile_m, capture=capture).build(requests, pool.host_ranks())
+    meta = LoRABatchMeta(cap, device, tile_m=tile_m, capture=capture, max_rank=max_rank)
+    meta.build(requests, pool.host_ranks())
     rows = cap if capture else num_tokens
     x = torch.randn(rows, spec.in_dim, generator=g).to(dtype)
     y0 = torch.randn(rows, spec.out_total, generator=g).to(dtype)

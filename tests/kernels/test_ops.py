@@ -104,9 +104,11 @@ def test_triton_launch_configs(name, device):
 
 
 @needs_interpreter
-def test_triton_captured_meta_with_padding_rows():
-    """Graph-mode metadata: grid bounded by the capacity, rows past num_tokens untouched."""
-    case = make_case(num_tokens=9, num_adapters=4, ranks=MIXED, capture=True, capacity=16)
+@pytest.mark.parametrize("ranks,max_rank", [(MIXED, 128), ((8, 16, 12), 16)], ids=["bound128", "bound16"])
+def test_triton_captured_meta_with_padding_rows(ranks, max_rank):
+    """Graph-mode metadata: grid bounded by the capacity, rows past num_tokens untouched; a rank bound
+    of 16 gives the narrow kernels only."""
+    case = make_case(num_tokens=9, num_adapters=4, ranks=ranks, capture=True, capacity=16, max_rank=max_rank)
     _check(case, _run(case, "triton"), torch.float32)
 
 

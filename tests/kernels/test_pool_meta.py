@@ -117,3 +117,5 @@ def test_meta_rebuild_reuses_buffers_and_validates():
         meta.build([(0, -1)], [16])
     with pytest.raises(ValueError, match="tile_m"):
         LoRABatchMeta(8, tile_m=24)
+    with pytest.raises(ValueError, match="max_rank 16"):
+        LoRABatchMeta(8, capture=True, max_rank=16).build([(0, 2)], [32])

@@ -61,7 +61,7 @@ from tests.kube.tables import table_for
 from tests.kube.watching import WatchRequest, serve_watch
 
 
-@dataclasses.dataclass(slots=True, frozen=True)
+@dataclasses.dataclass(slots=True)
 class LoggedRequest:
     """One request as the API server saw it (for counting API calls in tests)."""
 
@@ -69,6 +69,8 @@ class LoggedRequest:
     path: str
     query: dict[str, str]
     content_type: str = ""
+    body: bytes = b""
+    status: int | None = None  # the response's code, once answered (a watch: when it ends)
 
     @property
     def is_watch(self) -> bool:
@@ -116,9 +118,20 @@ class KubeEmulator(kmock.RawHandler):
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         raw = request._raw_request
         assert raw is not None
-        self.log.append(
-            LoggedRequest(raw.method, raw.path, dict(raw.query), raw.headers.get("Content-Type", ""))
-        )
+        logged = LoggedRequest(raw.method, raw.path, dict(raw.query), raw.headers.get("Content-Type", ""),
+                               request.body)  # fmt: skip
+        self.log.append(logged)
+        try:
+            response = await self._answer(request, raw)
+        except Exception as e:  # rendered by __call__ (KMock reactions raise injected errors)
+            logged.status = e.code if isinstance(e, ApiError) else 500
+            raise
+        logged.status = response.status
+        return response
+
+    async def _answer(
+        self, request: rendering.Request, raw: aiohttp.web.BaseRequest
+    ) -> aiohttp.web.StreamResponse:
         if self._payloads:  # user-defined KMock reactions first: failure injection, overrides
             try:
                 return await super()._handle(request)

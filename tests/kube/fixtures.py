@@ -10,7 +10,7 @@ persists across the module's tests, so use distinct namespaces). Both yield a ``
 
 - ``.url``, ``.kubeconfig_path`` (token "dummy-token", context namespace "default"), ``.store``;
 - ``.api_client()`` -> ``kubernetes.client.ApiClient``; ``.kubectl(*args, check=True, input=None)``;
-- ``.requests`` (``LoggedRequest(method, path, query, content_type)``, ``.is_watch``),
+- ``.requests`` (``LoggedRequest(method, path, query, content_type, body, status)``, ``.is_watch``),
   ``.count_requests(method=None, contains="", since=0, watch=None)``;
 - ``.fail(method, path_regex, code=500, times=1, reason=..., message=...)``: inject API errors;
   ``.emulator`` is the KMock handler, for any other KMock DSL reaction;

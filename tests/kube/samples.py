@@ -54,3 +54,42 @@ def widget(name: str, size: int = 1, namespace: str = "default", **meta: Any) ->
         "metadata": {"name": name, "namespace": namespace, **meta},
         "spec": {"size": size, "replicas": 1},
     }
+
+
+def gadget_crd() -> dict[str, Any]:
+    """A CRD with a structural schema: pruning, defaults and validation apply to its objects."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "spec": {
+                "type": "object",
+                "required": ["size"],
+                "properties": {
+                    "size": {"type": "integer", "minimum": 1},
+                    "mode": {"type": "string", "enum": ["fast", "slow"], "default": "fast"},
+                    "name": {"type": "string", "pattern": "^[a-z0-9-]{1,63}$", "nullable": True},
+                    "extra": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                },
+            },
+            "status": {"type": "object", "properties": {"phase": {"type": "string"}}},
+        },
+    }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"gadgets.{GROUP}"},
+        "spec": {
+            "group": GROUP,
+            "scope": "Namespaced",
+            "names": {"plural": "gadgets", "singular": "gadget", "kind": "Gadget"},
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": schema},
+                    "subresources": {"status": {}},
+                }
+            ],  # fmt: skip
+        },
+    }

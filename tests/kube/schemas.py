@@ -54,14 +54,9 @@ def _walk(value: Any, schema: dict[str, Any]) -> Any:
 def validation_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     """Field errors as the API server words them: ``spec.replicas: Invalid value: ...``."""
     body = {k: v for k, v in obj.items() if k not in _ROOT_KEYS}
-    root = {
-        **schema,
-        "properties": {k: v for k, v in (schema.get("properties") or {}).items() if k not in _ROOT_KEYS},
-    }
-    root["required"] = [r for r in schema.get("required") or [] if r not in _ROOT_KEYS]
-    validator = jsonschema.Draft4Validator(_to_json_schema(root))
     errors = []
-    for error in sorted(validator.iter_errors(body), key=lambda e: list(e.absolute_path)):
+    found = _validator(schema).iter_errors(body)
+    for error in sorted(found, key=lambda e: [str(p) for p in e.absolute_path]):
         path = ".".join(str(p) for p in error.absolute_path)
         if error.validator == "required":
             missing = error.message.split("'")[1] if "'" in error.message else "?"
@@ -69,6 +64,22 @@ def validation_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
         else:
             errors.append(f"{path or '<root>'}: Invalid value: {error.instance!r}: {error.message}")
     return errors
+
+
+_validators: dict[int, tuple[dict[str, Any], jsonschema.Draft4Validator]] = {}
+
+
+def _validator(schema: dict[str, Any]) -> jsonschema.Draft4Validator:
+    """Compile once per CRD schema object (kept alive here, so its id is not reused)."""
+    cached = _validators.get(id(schema))
+    if cached is None or cached[0] is not schema:
+        properties = {k: v for k, v in (schema.get("properties") or {}).items() if k not in _ROOT_KEYS}
+        required = [r for r in schema.get("required") or [] if r not in _ROOT_KEYS]
+        root = {**schema, "properties": properties, "required": required}
+        if not required:
+            root.pop("required")  # Draft 4 wants a non-empty list
+        cached = _validators[id(schema)] = (schema, jsonschema.Draft4Validator(_to_json_schema(root)))
+    return cached[1]
 
 
 def _to_json_schema(schema: Any) -> Any:

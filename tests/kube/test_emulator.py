@@ -11,7 +11,7 @@ import pytest
 from kubernetes import client, watch
 from kubernetes.client.exceptions import ApiException
 
-from tests.kube.samples import API_VERSION, GROUP, KIND, PLURAL, VERSION, widget, widget_crd
+from tests.kube.samples import API_VERSION, GROUP, KIND, PLURAL, VERSION, gadget_crd, widget, widget_crd
 
 
 @pytest.fixture
@@ -480,6 +480,7 @@ def test_requests_are_logged_and_kmock_reactions_inject_failures(kube, custom):
         GROUP, VERSION, "default", PLURAL, "w1", {"status": {"a": 1}}
     )
     assert kube.count_requests("PATCH", "/w1/status", since=mark) == 3
+    assert [r.status for r in kube.requests[mark:]] == [409, 409, 200]
     assert kube.count_requests("GET", since=mark) == 0
 
 
@@ -528,3 +529,24 @@ def test_builtin_delete_answers_a_success_status(kube, core):
     status = core.delete_namespaced_config_map("cm", "default")
     assert status.status == "Success" and status.details.name == "cm"
     assert http(kube, "GET", "/api/v1/namespaces/default/configmaps/cm")[0] == 404
+
+
+def test_custom_resources_are_pruned_defaulted_and_validated(kube, custom):
+    client.ApiextensionsV1Api(kube.api_client()).create_custom_resource_definition(gadget_crd())
+    args = (GROUP, VERSION, "default", "gadgets")
+    body = {"apiVersion": API_VERSION, "kind": "Gadget", "metadata": {"name": "g1"},
+            "spec": {"size": 2, "unknown": 1, "name": None, "extra": {"free": {"form": True}}}}  # fmt: skip
+    created = custom.create_namespaced_custom_object(*args, body)
+    assert created["spec"] == {"size": 2, "mode": "fast", "name": None, "extra": {"free": {"form": True}}}
+    status = custom.patch_namespaced_custom_object_status(
+        *args, "g1", {"status": {"phase": "Up", "bogus": 1}}
+    )
+    assert status["status"] == {"phase": "Up"}  # an undeclared status field is dropped, as a cluster does
+    for spec, field in (({"size": 0}, "spec.size"), ({"mode": "slow"}, "spec.size"),
+                        ({"size": 1, "mode": "warp"}, "spec.mode")):  # fmt: skip
+        with pytest.raises(ApiException) as e:
+            custom.create_namespaced_custom_object(*args, {**body, "metadata": {"name": "bad"}, "spec": spec})
+        assert e.value.status == 422 and status_of(e.value)["details"]["causes"][0]["field"] == field
+    with pytest.raises(ApiException) as e:
+        custom.patch_namespaced_custom_object(*args, "g1", {"spec": {"size": "big"}})
+    assert e.value.status == 422 and "spec.size" in status_of(e.value)["message"]

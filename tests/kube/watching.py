@@ -46,7 +46,7 @@ class Watcher:
 
     def offer(self, event: Event) -> None:
         out = self.translate(event)
-        if out is not None:
+        if out is not None and not self.loop.is_closed():  # a stopped emulator has no streams to feed
             self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
 
     def translate(self, event: Event) -> tuple[str, dict[str, Any]] | None:

@@ -42,7 +42,10 @@ class FakePod:
     # --- lifecycle ---------------------------------------------------------------------------------
     def start(self) -> None:
         handler = type("Handler", (_Handler,), {"pod": self})
-        self._server = ThreadingHTTPServer((self.ip, self.port), handler)
+        server_cls = type(
+            "Server", (ThreadingHTTPServer,), {"request_queue_size": 512}
+        )  # like uvicorn's backlog
+        self._server = server_cls((self.ip, self.port), handler)
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, daemon=True).start()
 
@@ -82,10 +85,9 @@ class FakePod:
         parts = path.strip("/").split("/")
         with self.lock:
             if parts == ["admin", "adapters"] and method == "GET":
-                return 200, {
-                    "base_hash": self.base_hash,
-                    "adapters": [self._view(e) for e in self.entries.values()],
-                }
+                only = query.get("name", [None])[0]
+                views = [self._view(e) for e in self.entries.values() if only in (None, e.name)]
+                return 200, {"base_hash": self.base_hash, "adapters": views}
             if len(parts) == 3 and method == "PUT":
                 return self._load(parts[2], body or {})
             if len(parts) == 3 and method == "DELETE":
@@ -176,23 +178,3 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self):  # noqa: N802
         self._serve("DELETE")
-
-
-class FakeFleet:
-    """Fake pods on 127.0.0.2, .3, ... sharing one port; ``add()`` hands out the next address."""
-
-    def __init__(self, port: int, token: str, base_hash: str):
-        self.port, self.token, self.base_hash = port, token, base_hash
-        self.pods: dict[str, FakePod] = {}  # ip -> pod
-        self._next = 2
-
-    def add(self) -> FakePod:
-        ip = f"127.0.0.{self._next}"
-        self._next += 1
-        pod = FakePod(ip, self.port, self.token, self.base_hash)
-        self.pods[ip] = pod
-        return pod
-
-    def close(self) -> None:
-        for pod in self.pods.values():
-            pod.stop()

@@ -7,7 +7,7 @@ import time
 
 from tests.operator.harness import OperatorThread, condition, fast_tunables, wait_for
 
-N = 200
+N = int(__import__("os").environ.get("LORAPLANE_TEST_ADAPTERS", "200"))
 WRITES_PER_ADAPTER = 6  # kopf's finalizer, our Unknown-first status, the converged status, slack
 
 
@@ -34,7 +34,12 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
         def all_ready():
             return all(condition(world.adapter(n), "Ready").get("status") == "True" for n in names)
 
-        wait_for(all_ready, timeout=90, interval=0.5, what=f"{N} adapters Ready ({sum(1 for n in names if condition(world.adapter(n), 'Ready').get('status') == 'True')})")
+        wait_for(
+            all_ready,
+            timeout=90,
+            interval=0.5,
+            what=f"{N} adapters Ready ({sum(1 for n in names if condition(world.adapter(n), 'Ready').get('status') == 'True')})",
+        )
         converged = time.monotonic() - started
         assert len(pod.entries) == N
         settled = adapter_calls(world)
@@ -45,7 +50,8 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
         new_writes = sum(later.values()) - sum(settled.values())
         print(f"\n{N} adapters Ready in {converged:.1f}s; writes/adapter max {max(writes.values())}, "
               f"mean {sum(writes.values()) / N:.2f}; GETs {reads}; calls in the idle window {new_writes}")  # fmt: skip
-        assert max(writes.values()) <= WRITES_PER_ADAPTER, writes
+        worst = max(writes, key=writes.get)
+        assert writes[worst] <= WRITES_PER_ADAPTER, {k: v for k, v in settled.items() if k[0] == worst}
         assert reads == 0, "the operator reads adapters from its watch, not per pass"
         assert new_writes == 0, "converged adapters must not write (hot loop)"
         assert pod.count("GET") >= N, "the drift checks still ran, against the pods only"
