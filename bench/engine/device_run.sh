@@ -25,7 +25,7 @@ if [ -z "$SKIP_TESTS" ]; then
   (cd /tmp && timeout 420 pytest --rootdir="$R" -c "$R/pyproject.toml" -o "pythonpath=$LP $R" -p no:cacheprovider \
     -q -rs "$R/tests/engine/test_attention.py" "$R/tests/engine/test_model_runner.py" \
     "$R/tests/engine/test_engine_vs_transformers.py" ${TESTS:--k "(gpu or paged or fused or write or cuda) and not async"} \
-    2>&1 | tail -30 | tee "$O/engine-gpu-tests.log")
+    2>&1 | tail -80 | tee "$O/engine-gpu-tests.log")
 fi
 if [ -z "$SKIP_BENCH" ]; then
   python3 bench/run.py engine --out "$O" "$@" 2>&1 | tee "$O/engine-bench.log" | grep -v '^{'

@@ -216,7 +216,10 @@ def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
     seqs = make_seqs(runner, E2E_REQUESTS, E2E_IN)
     prompts = [s.prompt_token_ids for s in seqs]
     params = SamplingParams(temperature=0.0, max_tokens=E2E_OUT, ignore_eos=True)
-    engine.generate(prompts[:8], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))  # warm-up
+    # warm-up on the same step kinds (full prefills, a chunked prompt, mixed steps, decode-only steps)
+    engine.generate(
+        [p[:500] for p in prompts[:24]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    )
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)

@@ -106,13 +106,20 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
 
 # ------------------------------------------------------------------------------------ decode (Triton)
 @triton.jit
-def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, scale,
+def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, scale,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         IEEE: tl.constexpr):  # fmt: skip
+    """Program (b, kv head, split): the GROUP q heads sharing a kv head are the rows of one tl.dot; the split
+    walks its share of the context, BLOCK_N positions (several pages) per iteration, with an online softmax."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(lens_ptr + b)
+    per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     dmask = d < D
@@ -123,9 +130,9 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, scale
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        nmask = n < seq_len
+        nmask = n < hi
         blk = tl.load(bt_ptr + b * stride_bt + n // BLOCK_SIZE, mask=nmask, other=0).to(tl.int64)
         off = blk * stride_cb + (n % BLOCK_SIZE) * stride_cs + kvh * stride_ch  # [BLOCK_N]
         kvmask = nmask[:, None] & dmask[None, :]
@@ -145,31 +152,74 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, scale
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    l_i = tl.where(l_i == 0.0, 1.0, l_i)  # empty (padding) rows write zeros, not NaN
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=qmask)  # fmt: skip
+    if NUM_SPLITS == 1:
+        l_i = tl.where(l_i == 0.0, 1.0, l_i)  # empty (padding) rows write zeros, not NaN
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=qmask)  # fmt: skip
+    else:  # partials [B, Hq, S, D_PAD] and (m, l) [B, Hq, S, 2], merged by _merge_splits_kernel
+        row = (b * (GROUP * tl.num_programs(1)) + heads) * NUM_SPLITS + split  # [GROUP_PAD]
+        tl.store(part_ptr + row[:, None] * D_PAD + d[None, :], acc, mask=gmask[:, None])
+        tl.store(ml_ptr + row * 2, m_i, mask=gmask)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, H, D: tl.constexpr,
+                         D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, D_PAD)
+    row = (b * H + h) * NUM_SPLITS + s  # [S]
+    m = tl.load(ml_ptr + row * 2)
+    lse = tl.load(ml_ptr + row * 2 + 1)  # the split's softmax denominator
+    m_max = tl.max(m, axis=0)
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: a padding row
+    w = tl.exp(m - m_max)  # empty splits: exp(-inf) = 0
+    denom = tl.sum(w * lse, axis=0)
+    denom = tl.where(denom == 0.0, 1.0, denom)
+    acc = tl.load(part_ptr + row[:, None] * D_PAD + d[None, :])  # [S, D_PAD]
+    out = tl.sum(acc * w[:, None], axis=0) / denom
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+_TARGET_PROGRAMS = 2048  # ~one wave of 4-warp programs on 132 SMs: split contexts until the grid fills it
+
+
+def default_num_splits(batch: int, num_kv_heads: int) -> int:
+    """Static per batch size (CUDA graphs need fixed shapes): more splits when (batch x kv heads) is small."""
+    want = _TARGET_PROGRAMS // max(1, batch * num_kv_heads)
+    return 1 if want <= 1 else min(16, 1 << (want.bit_length() - 1))  # a power of two (merge kernel's arange)
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, block_n: int = 64,
-                 num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:  # fmt: skip
+                 num_warps: int = 4, num_stages: int = 2, num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
     """q: [B, Hq, D]; caches [N, bs, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32 -> [B, Hq, D]."""
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1
-    group = Hq // Hkv
+    group, d_pad = Hq // Hkv, max(16, triton.next_power_of_2(D))
+    splits = default_num_splits(B, Hkv) if num_splits is None else num_splits
+    assert splits & (splits - 1) == 0, f"num_splits must be a power of two, got {splits}"
     out = torch.empty_like(q) if out is None else out
-    block_n = max(block_n, block_size)
-    _paged_decode_kernel[(B, Hkv)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, scale,
+    part = ml = out  # unused unless split
+    if splits > 1:
+        part = torch.empty(B, Hq, splits, d_pad, dtype=torch.float32, device=q.device)
+        ml = torch.empty(B, Hq, splits, 2, dtype=torch.float32, device=q.device)
+    _paged_decode_kernel[(B, Hkv, splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part, ml, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=max(16, triton.next_power_of_2(D)),
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n, IEEE=q.dtype == torch.float32, num_warps=num_warps, num_stages=num_stages,
+        GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad, BLOCK_SIZE=block_size,
+        BLOCK_N=max(block_n, block_size), NUM_SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        num_stages=num_stages,
     )  # fmt: skip
+    if splits > 1:
+        _merge_splits_kernel[(B, Hq)](part, ml, out, out.stride(0), out.stride(1), Hq, D=D, D_PAD=d_pad,
+                                      NUM_SPLITS=splits, num_warps=4)  # fmt: skip
     return out
 
 

@@ -10,10 +10,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
-from .attention import AttentionMetadata, PrefillSpan
+from .attention import AttentionMetadata, PrefillSpan, paged_decode
 from .cuda_graphs import DecodeGraphs
 from .model import CausalLM
 from .model_config import ModelConfig
@@ -96,6 +97,8 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self._compile_step_kernels()
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = tuple(s for s in config.cuda_graph_batch_sizes if s <= config.max_num_seqs)
             if sizes:
@@ -156,6 +159,31 @@ class ModelRunner:
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def _compile_step_kernels(self) -> None:
+        """Run each step shape once so that Triton compiles its kernels now, not inside the first requests:
+        a mixed step (fresh prefill, continued chunk, decode row with a 3-block table) and the decode kernel
+        at every split count. It writes KV only into blocks no sequence owns yet."""
+        bs = self.block_size
+        if self.num_kv_blocks < 9:
+            return
+        seqs = [SimpleNamespace(token_ids=[1] * (2 * bs + 1), block_table=[3 * i, 3 * i + 1, 3 * i + 2])
+                for i in range(3)]  # fmt: skip
+        chunks = [
+            SimpleNamespace(seq=seqs[0], start=0, num_tokens=2 * bs + 1, sample=True),
+            SimpleNamespace(seq=seqs[1], start=bs, num_tokens=bs + 1, sample=True),
+            SimpleNamespace(seq=seqs[2], start=2 * bs, num_tokens=1, sample=True),
+        ]
+        self.forward_logits(SimpleNamespace(chunks=chunks))
+        layer = self.model.model.layers[0].self_attn
+        cfg = self.model_config
+        q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        tables = torch.tensor([[0, 1, 2]], dtype=torch.int32, device=self.device)
+        lens = torch.tensor([2 * bs + 1], dtype=torch.int32, device=self.device)
+        for splits in (1, 2, 4, 8, 16):
+            paged_decode(q, layer.k_cache, layer.v_cache, tables, lens, 1.0, num_splits=splits)
+        torch.cuda.synchronize()
 
     # --------------------------------------------------------------------------------------- inputs
     def _prepare(self, batch) -> StepInputs:

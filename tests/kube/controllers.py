@@ -29,7 +29,9 @@ NAMESPACE_KEY = ("", "namespaces")
 class Controllers:
     """Mixed into Store; every method runs under the store's lock."""
 
-    def _on_create_defaults(self: Store, rt: ResourceType, obj: dict[str, Any]) -> None:
+    def _on_create_defaults(
+        self: Store, rt: ResourceType, obj: dict[str, Any], dry_run: bool = False
+    ) -> None:
         if rt.key == NAMESPACE_KEY:
             obj["spec"] = {"finalizers": ["kubernetes"]}
             obj["status"] = {"phase": "Active"}
@@ -47,9 +49,9 @@ class Controllers:
                 )
             spec.setdefault("clusterIPs", [spec["clusterIP"]])
         elif rt.key == CRD_KEY:
-            self._register_crd(obj)
+            self._register_crd(obj, dry_run)
 
-    def _register_crd(self: Store, crd: dict[str, Any]) -> None:
+    def _register_crd(self: Store, crd: dict[str, Any], dry_run: bool = False) -> None:
         try:
             new_type = type_from_crd(crd)
         except (KeyError, ValueError, TypeError) as e:
@@ -67,7 +69,8 @@ class Controllers:
         existing = self.types.get(new_type.key)
         if existing is not None and not existing.is_custom:
             raise ApiError(422, "Invalid", f"{expected} collides with a built-in resource")
-        self.types[new_type.key] = new_type
+        if not dry_run:
+            self.types[new_type.key] = new_type
         names = crd["spec"]["names"]
         accepted = {
             **names,

@@ -7,7 +7,8 @@ is served from ``tests.kube.store.Store``. Run it with ``tests.kube.fixtures`` (
 
 Emulated:
 - discovery: /api (core ``v1``), /api/v1, /apis, /apis/<g>, /apis/<g>/<v>, /version, /healthz;
-  built-ins (core, apps, rbac, coordination, events.k8s.io, apiextensions, policy) + CRD-registered types;
+  built-ins (core, apps, rbac, coordination, events.k8s.io, apiextensions, policy, networking,
+  autoscaling, batch, scheduling; see ``resources``) + CRD-registered types;
 - metadata: uid, resourceVersion (one global counter), generation (spec changes only),
   creationTimestamp, generateName; name and label syntax (422 Invalid);
 - create 201 / get / list (XList, rv, limit+continue) / PUT / PATCH (merge, JSON incl. ``test``,
@@ -30,20 +31,24 @@ Emulated:
   for pods/deployments/services/namespaces/CRDs, Name + Age otherwise (also on watches);
 - what controllers do synchronously (``tests.kube.controllers``): CRD establishment, garbage
   collection, namespace termination, a little defaulting (Secret stringData, Service clusterIP);
-- a schema-less /openapi/v3 so kubectl's field validation negotiation works; /openapi/v2 is 404.
+- custom resources pruned, defaulted and validated by their CRD's structural schema (``schemas``);
+- /openapi/v3 (CRD schemas included: ``kubectl explain`` works) so kubectl's field validation
+  negotiation works; /openapi/v2 is 404;
+- server-side apply, approximated (create if absent; three-way merge against the manager's last
+  applied config; no managedFields, no conflicts), so ``kubectl apply --server-side`` and helm 3/4
+  install/upgrade/uninstall work; protobuf bodies for Namespace, Secret, ConfigMap, ServiceAccount
+  and DeleteOptions (``protobuf``), which ``kubectl create <generator>`` and helm send.
 
-Not emulated (knowingly): admission and schema validation (OpenAPI, CEL), most defaulting, pruning,
-server-side apply (415), protobuf/CBOR bodies (415), conversion between versions, per-field strategic
-merge keys other than ``name``, graceful pod termination (pods go at once), Foreground deletion,
-managedFields, authn/authz, workload controllers (no ReplicaSets or Pods appear by themselves: see
-``RunningEmulator.create_pods_for_deployment``).
+Not emulated (knowingly): admission webhooks, CEL rules, validation ratcheting, built-in types'
+schemas and defaulting, managedFields/field ownership, protobuf of other kinds and CBOR (415),
+conversion between versions, strategic-merge keys other than ``name``, graceful pod termination
+(pods go at once), Foreground deletion, authn/authz, workload controllers (no ReplicaSets or Pods
+appear by themselves: see ``RunningEmulator.create_pods_for_deployment``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import json
 import traceback
 from typing import Any
 
@@ -55,36 +60,12 @@ from kmock._internal import rendering
 from tests.kube import patching
 from tests.kube.discovery import serve_discovery, serve_openapi
 from tests.kube.errors import ApiError, json_response, not_found_url
-from tests.kube.resources import ResourceType, set_path, to_scale
+from tests.kube.patching import merge_patch
+from tests.kube.resources import set_path, to_scale
+from tests.kube.routing import LoggedRequest, Target, parse_body, parse_rv, parse_target, truthy, versioned
 from tests.kube.store import Store, label_matcher
 from tests.kube.tables import table_for
 from tests.kube.watching import WatchRequest, serve_watch
-
-
-@dataclasses.dataclass(slots=True)
-class LoggedRequest:
-    """One request as the API server saw it (for counting API calls in tests)."""
-
-    method: str
-    path: str
-    query: dict[str, str]
-    content_type: str = ""
-    body: bytes = b""
-    status: int | None = None  # the response's code, once answered (a watch: when it ends)
-
-    @property
-    def is_watch(self) -> bool:
-        return _truthy(self.query.get("watch")) or "/watch/" in self.path
-
-
-@dataclasses.dataclass(slots=True)
-class Target:
-    rt: ResourceType
-    version: str
-    namespace: str | None
-    name: str | None
-    subresource: str
-    legacy_watch: bool = False
 
 
 @attrs.define(kw_only=True)
@@ -168,14 +149,15 @@ class KubeEmulator(kmock.RawHandler):
             return found
         if parts[:2] == ["openapi", "v3"] and method == "GET":
             return serve_openapi(self.store, parts[2:])
-        target = self._parse_target(parts)
+        target = parse_target(self.store, parts)
         query = raw.query
-        watching = target.legacy_watch or _truthy(query.get("watch"))
+        watching = target.legacy_watch or truthy(query.get("watch"))
         if method == "GET" and watching:
             return await self._watch(raw, target)
         if method == "GET":
             return self._get(raw, target)
-        payload = _parse_json(body) if body else None
+        content_type = raw.headers.get("Content-Type", "").split(";")[0].strip()
+        payload = parse_body(body, content_type) if body else None
         dry_run = query.get("dryRun") == "All"
         if method == "POST" and target.name is None:
             return self._create(target, payload, dry_run)
@@ -187,45 +169,13 @@ class KubeEmulator(kmock.RawHandler):
             )
         if method == "PUT":
             return self._replace(target, payload, dry_run)
+        if method == "PATCH" and content_type == "application/apply-patch+yaml":
+            return self._server_side_apply(target, payload, query.get("fieldManager", ""), dry_run)
         if method == "PATCH":
-            content_type = raw.headers.get("Content-Type", "").split(";")[0].strip()
             return self._patch(target, content_type, payload, dry_run)
         raise ApiError(
             405, "MethodNotAllowed", "the server does not allow this method on the requested resource"
         )
-
-    def _parse_target(self, parts: list[str]) -> Target:
-        if parts[:2] == ["api", "v1"]:
-            group, version, rest = "", "v1", parts[2:]
-        elif parts[:1] == ["apis"] and len(parts) >= 4:
-            group, version, rest = parts[1], parts[2], parts[3:]
-        else:
-            raise not_found_url()
-        legacy_watch = rest[:1] == ["watch"]
-        rest = rest[1:] if legacy_watch else rest
-        namespace = None
-        if (
-            len(rest) >= 3
-            and rest[0] == "namespaces"
-            and not (len(rest) == 3 and rest[2] in ("status", "finalize"))
-        ):
-            namespace, rest = rest[1], rest[2:]
-        if not rest or len(rest) > 3:
-            raise not_found_url()
-        rt = self.store.find_type(group, version, rest[0])
-        if rt is None or (namespace is not None and not rt.namespaced):
-            raise not_found_url()
-        name = rest[1] if len(rest) > 1 else None
-        sub = rest[2] if len(rest) > 2 else ""
-        if rt.namespaced and name is not None and namespace is None:
-            raise not_found_url()
-        if (
-            sub not in ("", "status", "scale", "finalize")
-            or (sub == "status" and not rt.status_subresource)
-            or (sub == "scale" and rt.scale is None)
-        ):
-            raise not_found_url()
-        return Target(rt, version, namespace, name, sub, legacy_watch)
 
     # --- verbs ---------------------------------------------------------------------------------
 
@@ -236,13 +186,13 @@ class KubeEmulator(kmock.RawHandler):
             obj = self.store.get(rt, target.namespace or "", target.name)
             if target.subresource == "scale":
                 return json_response(to_scale(rt, obj))
-            obj = _versioned(rt, target.version, obj)
+            obj = versioned(rt, target.version, obj)
             if wants_table:
                 return json_response(table_for(rt, [obj], obj["metadata"]["resourceVersion"], query))
             return json_response(obj)
         matches = label_matcher(query.get("labelSelector"), query.get("fieldSelector"), rt)
         items, rv = self.store.list(rt, target.namespace, matches)
-        items = [_versioned(rt, target.version, o) for o in items]
+        items = [versioned(rt, target.version, o) for o in items]
         start = int(query.get("continue") or 0)
         limit = int(query.get("limit") or 0)
         page = items[start : start + limit] if limit else items[start:]
@@ -268,7 +218,7 @@ class KubeEmulator(kmock.RawHandler):
         if target.rt.namespaced and target.namespace is None:
             raise not_found_url()
         obj = self.store.create(target.rt, target.namespace or "", payload, dry_run)
-        return json_response(_versioned(target.rt, target.version, obj), status=201)
+        return json_response(versioned(target.rt, target.version, obj), status=201)
 
     def _replace(self, target: Target, payload: Any, dry_run: bool) -> aiohttp.web.Response:
         if not isinstance(payload, dict):
@@ -285,7 +235,7 @@ class KubeEmulator(kmock.RawHandler):
             dry_run,
             require_rv=target.rt.is_custom,
         )
-        return json_response(_versioned(target.rt, target.version, obj))
+        return json_response(versioned(target.rt, target.version, obj))
 
     def _patch(self, target: Target, content_type: str, payload: Any, dry_run: bool) -> aiohttp.web.Response:
         assert target.name is not None
@@ -300,11 +250,11 @@ class KubeEmulator(kmock.RawHandler):
             accepted = "application/json-patch+json, application/merge-patch+json"
             if not rt.is_custom:
                 accepted += ", application/strategic-merge-patch+json"
+            accepted += ", application/apply-patch+yaml"
             raise ApiError(
                 415,
                 "UnsupportedMediaType",
-                f"the body of the request was in an unknown format - "
-                f"accepted media types include: {accepted} (server-side apply is not emulated)",
+                f"the body of the request was in an unknown format - accepted media types include: {accepted}",
             )
 
         def change(current: dict[str, Any]) -> dict[str, Any]:
@@ -320,7 +270,38 @@ class KubeEmulator(kmock.RawHandler):
         if target.subresource == "scale":
             return self._write_scale(target, change, dry_run)
         obj = self.store.update(rt, target.namespace or "", target.name, change, target.subresource, dry_run)
-        return json_response(_versioned(rt, target.version, obj))
+        return json_response(versioned(rt, target.version, obj))
+
+    def _server_side_apply(
+        self, target: Target, config: Any, manager: str, dry_run: bool
+    ) -> aiohttp.web.Response:
+        """Server-side apply, approximated: create if absent, else a three-way merge against what this
+        field manager applied last (fields it dropped are removed). No managedFields, no conflicts."""
+        rt, namespace, name = target.rt, target.namespace or "", target.name
+        assert name is not None
+        if not isinstance(config, dict):
+            raise ApiError(400, "BadRequest", "the applied configuration must be an object")
+        if not manager:
+            raise ApiError(400, "BadRequest", "PATCH with an apply patch requires a fieldManager")
+        try:
+            current = self.store.get(rt, namespace, name)
+        except ApiError as e:
+            if e.code != 404 or target.subresource:
+                raise
+            body = merge_patch({}, config) | {"metadata": {**config.get("metadata", {}), "name": name}}
+            obj = self.store.create(rt, namespace, body, dry_run)
+            if not dry_run:
+                self.store.applied[(obj["metadata"]["uid"], manager)] = config
+            return json_response(versioned(rt, target.version, obj), status=201)
+        key = (current["metadata"]["uid"], manager)
+        patch = patching.three_way_patch(self.store.applied.get(key, {}), config)
+        merge = patching.merge_patch if rt.is_custom else patching.strategic_merge_patch
+        obj = self.store.update(
+            rt, namespace, name, lambda cur: merge(cur, patch), target.subresource, dry_run
+        )
+        if not dry_run:
+            self.store.applied[key] = config
+        return json_response(versioned(rt, target.version, obj))
 
     def _write_scale(self, target: Target, change, dry_run: bool) -> aiohttp.web.Response:
         rt, spec = target.rt, target.rt.scale
@@ -362,7 +343,7 @@ class KubeEmulator(kmock.RawHandler):
                 }
                 return json_response({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                                       "details": details})  # fmt: skip
-            return json_response(_versioned(rt, target.version, obj))
+            return json_response(versioned(rt, target.version, obj))
         matches = label_matcher(query.get("labelSelector"), query.get("fieldSelector"), rt)
         items, _ = self.store.list(rt, target.namespace, matches)
         deleted = [
@@ -374,7 +355,7 @@ class KubeEmulator(kmock.RawHandler):
                 "kind": f"{rt.kind}List",
                 "apiVersion": rt.api_version(target.version),
                 "metadata": {"resourceVersion": str(self.store.resource_version)},
-                "items": [_versioned(rt, target.version, o) for o in deleted],
+                "items": [versioned(rt, target.version, o) for o in deleted],
             }
         )
 
@@ -386,14 +367,14 @@ class KubeEmulator(kmock.RawHandler):
         if target.name is not None:  # the deprecated single-object watch
             field_selector = ",".join(filter(None, [field_selector, f"metadata.name={target.name}"]))
         rv_text = query.get("resourceVersion") or ""
-        initial = _truthy(query.get("sendInitialEvents"))
+        initial = truthy(query.get("sendInitialEvents"))
         request = WatchRequest(
             type_key=rt.key,
             namespace=target.namespace,
             matches=label_matcher(query.get("labelSelector"), field_selector, rt),
-            since=None if rv_text in ("", "0") or initial else _parse_rv(rv_text),
+            since=None if rv_text in ("", "0") or initial else parse_rv(rv_text),
             timeout=float(query["timeoutSeconds"]) if query.get("timeoutSeconds") else None,
-            bookmarks=_truthy(query.get("allowWatchBookmarks")),
+            bookmarks=truthy(query.get("allowWatchBookmarks")),
             initial_events_end=initial,
             kind=rt.kind,
             api_version=rt.api_version(target.version),
@@ -401,35 +382,7 @@ class KubeEmulator(kmock.RawHandler):
         wants_table = "as=Table" in raw.headers.get("Accept", "")
 
         def render(type_: str, obj: dict[str, Any]) -> dict[str, Any]:
-            obj = _versioned(rt, target.version, obj)
+            obj = versioned(rt, target.version, obj)
             return table_for(rt, [obj], obj["metadata"]["resourceVersion"], query) if wants_table else obj
 
         return await serve_watch(raw, self.store, request, render, self._closing, self.bookmark_interval)
-
-
-# --- helpers -----------------------------------------------------------------------------------
-
-
-def _truthy(value: str | None) -> bool:
-    """Go's strconv.ParseBool, as the API server parses query flags (the Python client sends "True")."""
-    return value in ("1", "t", "T", "true", "TRUE", "True")
-
-
-def _parse_json(body: bytes) -> Any:
-    try:
-        return json.loads(body)
-    except ValueError as e:
-        raise ApiError(
-            415, "UnsupportedMediaType", f"the body is not JSON (protobuf/CBOR are not emulated): {e}"
-        ) from e
-
-
-def _parse_rv(text: str) -> int:
-    if not text.isdigit():
-        raise ApiError(400, "BadRequest", f'resourceVersion: Invalid value: "{text}": must be an integer')
-    return int(text)
-
-
-def _versioned(rt: ResourceType, version: str, obj: dict[str, Any]) -> dict[str, Any]:
-    obj["apiVersion"], obj["kind"] = rt.api_version(version), rt.kind
-    return obj

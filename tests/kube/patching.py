@@ -86,6 +86,18 @@ def _merge_named_lists(current: list[dict[str, Any]], patch: list[dict[str, Any]
     return [merged[name] for name in order if name in merged]
 
 
+def three_way_patch(last_applied: Any, config: Any) -> Any:
+    """The merge patch taking a manager's last applied config to its new one (dropped keys -> null)."""
+    if not isinstance(config, dict) or not isinstance(last_applied, dict):
+        return copy.deepcopy(config)
+    patch: dict[str, Any] = {key: None for key in last_applied if key not in config}
+    for key, value in config.items():
+        patch[key] = (
+            three_way_patch(last_applied.get(key), value) if key in last_applied else copy.deepcopy(value)
+        )
+    return patch
+
+
 def json_patch(target: Any, operations: list[dict[str, Any]]) -> Any:
     if not isinstance(operations, list):
         raise PatchError("a JSON patch must be a list of operations")

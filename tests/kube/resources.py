@@ -137,6 +137,47 @@ def builtin_types() -> list[ResourceType]:
             short_names=["pdb"],
             status_subresource=True,
         ),
+        *_more_builtins(),
+    ]
+
+
+def _more_builtins() -> list[ResourceType]:
+    """Kinds a chart may carry beside the operator's own: served, never acted upon."""
+    net = "networking.k8s.io"
+    return [
+        ResourceType(net, ["v1"], "networkpolicies", "NetworkPolicy", True, short_names=["netpol"]),
+        ResourceType(net, ["v1"], "ingresses", "Ingress", True, short_names=["ing"], status_subresource=True),
+        ResourceType(
+            "autoscaling",
+            ["v2"],
+            "horizontalpodautoscalers",
+            "HorizontalPodAutoscaler",
+            True,
+            short_names=["hpa"],
+            status_subresource=True,
+        ),  # fmt: skip
+        ResourceType("batch", ["v1"], "jobs", "Job", True, categories=["all"], status_subresource=True),
+        ResourceType(
+            "batch", ["v1"], "cronjobs", "CronJob", True, short_names=["cj"], status_subresource=True
+        ),
+        ResourceType(
+            "apps",
+            ["v1"],
+            "daemonsets",
+            "DaemonSet",
+            True,
+            short_names=["ds"],
+            categories=["all"],
+            status_subresource=True,
+        ),  # fmt: skip
+        ResourceType(
+            "scheduling.k8s.io", ["v1"], "priorityclasses", "PriorityClass", False, short_names=["pc"]
+        ),
+        _core(
+            "persistentvolumes", "PersistentVolume", namespaced=False, short=("pv",), status_subresource=True
+        ),
+        _core("resourcequotas", "ResourceQuota", short=("quota",), status_subresource=True),
+        _core("limitranges", "LimitRange", short=("limits",)),
     ]
 
 

@@ -45,6 +45,7 @@ class Store(Controllers):
         self.watchers: list[Watcher] = []
         self._rv = 0
         self._orphaning: set[str] = set()  # uids deleted with propagationPolicy=Orphan
+        self.applied: dict[tuple[str, str], dict[str, Any]] = {}  # (uid, field manager) -> applied config
         for ns in ("default", "kube-system", "kube-public"):
             self.create(self.types[NAMESPACE_KEY], "", {"metadata": {"name": ns}})
 
@@ -153,11 +154,11 @@ class Store(Controllers):
             obj["kind"], obj["apiVersion"] = rt.kind, rt.api_version(rt.versions[0])
             if rt.status_subresource:
                 obj.pop("status", None)
-            self._on_create_defaults(rt, obj)
+            self._on_create_defaults(rt, obj, dry_run)
             obj = self._structural(rt, obj, name)
             if dry_run:
                 return obj
-            meta["resourceVersion"] = self._next_rv()
+            obj["metadata"]["resourceVersion"] = self._next_rv()
             self.objects[key] = obj
             self._emit(rt, "ADDED", obj, None)
             self._collect_if_owners_absent(rt, key[1], name)
@@ -248,7 +249,7 @@ class Store(Controllers):
             if _generation_relevant(new) != _generation_relevant(current):
                 new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
             if rt.key == CRD_KEY and subresource == "":
-                self._register_crd(new)
+                self._register_crd(new, dry_run)
             if dry_run:
                 return new
             new["metadata"]["resourceVersion"] = self._next_rv()

@@ -153,3 +153,24 @@ def test_project_crds_and_examples_apply(kube_emulator):
     kinds = json.loads(kubectl("get", "crds", "-o", "json").stdout)["items"]
     for crd in kinds:
         kubectl("get", crd["spec"]["names"]["plural"], "-A")
+
+
+def test_server_side_apply_and_protobuf_generators(kube_emulator, tmp_path):
+    kubectl = kube_emulator.kubectl
+    # client-go sends these core kinds as protobuf
+    kubectl("create", "namespace", "gen")
+    kubectl("create", "configmap", "settings", "-n", "gen", "--from-literal=a=1")
+    kubectl("create", "secret", "generic", "token", "-n", "gen", "--from-literal=token=abc")
+    kubectl("create", "serviceaccount", "bot", "-n", "gen")
+    secret = json.loads(kubectl("get", "secret", "token", "-n", "gen", "-o", "json").stdout)
+    assert secret["data"] == {"token": "YWJj"} and secret["type"] == "Opaque"
+
+    config = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "ssa", "namespace": "gen"},
+              "data": {"a": "1", "b": "2"}}  # fmt: skip
+    (tmp_path / "cm.json").write_text(json.dumps(config))
+    assert "serverside-applied" in kubectl("apply", "--server-side", "-f", str(tmp_path / "cm.json")).stdout
+    (tmp_path / "cm.json").write_text(json.dumps({**config, "data": {"a": "3"}}))
+    kubectl("apply", "--server-side", "-f", str(tmp_path / "cm.json"))
+    applied = json.loads(kubectl("get", "cm", "ssa", "-n", "gen", "-o", "json").stdout)
+    assert applied["data"] == {"a": "3"}  # the field this manager stopped applying is gone
+    kubectl("delete", "namespace", "gen", "--timeout=10s")

@@ -28,9 +28,7 @@ def test_apply_is_idempotent_and_retries_conflicts(kube_emulator):  # noqa: F811
     changed = B.build_deployment(base, BaseSpec.parse({**base["spec"], "replicas": 3}))
     kube_emulator.fail("PUT", r".*/deployments/demo", 409, times=2, reason="Conflict")
     assert asyncio.run(kube.apply(changed)) == "updated"
-    assert (
-        kube_emulator.count_requests("PUT", "/deployments/demo") == writes + 3
-    )  # two 409s, then the write
+    assert kube_emulator.count_requests("PUT", "/deployments/demo") == writes + 3  # two 409s, then the write
     assert kube_emulator.get("apps/v1", "Deployment", "demo")["spec"]["replicas"] == 3
 
 

@@ -79,7 +79,9 @@ def test_pod_added_removed_and_scaled(world, artifacts):
         assert second.serving("chat") == "v1" and first.serving("chat") == "v1"
         world.remove_pod(next(n for n, p in world.pods.items() if p is second))
         world.wait_adapter("chat", lambda a: condition(a, "Ready")["status"] == "False", what="not ready")
-        world.api("PATCH", "LoRABase", "demo", {"spec": {"replicas": 1}})  # what `kubectl scale` changes
+        world.emu.kubectl(
+            "scale", "lorabase", "demo", "--replicas=1", "-n", world.ns
+        )  # the scale subresource
         world.wait_ready("chat")
         deployment = wait_for(lambda: (d := world.get("Deployment", "demo"))["spec"]["replicas"] == 1 and d)
         assert deployment["metadata"]["ownerReferences"][0]["kind"] == "LoRABase"
@@ -194,3 +196,22 @@ def test_conflict_storm(world, artifacts):
         wait_for(lambda: "loraplane.dev/finalizer" in world.adapter("chat")["metadata"].get("finalizers", ()),
                  what="kopf's finalizer, once the storm has passed")  # fmt: skip
         assert world.wait_ready("chat")["metadata"]["annotations"]["storm"]
+
+
+def test_pod_side_failures_are_reported_per_pod(world, artifacts):
+    world.create_base(replicas=2)
+    with OperatorThread(world.emu, world.ns):
+        good, bad = world.add_pod(), world.add_pod()
+        bad.fail = "hang"
+        world.create_adapter("chat", artifacts.uris["v1"], "v1")
+        adapter = world.wait_reason("chat", "PodUnreachable")
+        rows = {row["state"] for row in adapter["status"]["pods"]}
+        assert rows == {"Serving", "Unreachable"} and good.serving("chat") == "v1"
+        bad.fail = "wrong_base"
+        world.wait_reason("chat", "BaseMismatch")
+        bad.base_hash = "00" * 32  # the pod loaded other weights: the base says so
+        base = wait_for(lambda: (b := world.get("LoRABase", "demo")) and condition(b, "Degraded").get("reason")
+                        == "PodBaseMismatch" and b, what="PodBaseMismatch")  # fmt: skip
+        assert base["status"].get("observedBaseHash") is None  # the pods disagree
+        bad.fail, bad.base_hash = None, world.base_hash
+        world.wait_ready("chat")
