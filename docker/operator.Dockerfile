@@ -32,4 +32,7 @@ ENV PATH=/opt/loraplane/bin:$PATH \
 USER 10001:10001
 # 8080: kopf liveness (/healthz); 9090: Prometheus /metrics.
 EXPOSE 8080 9090
-ENTRYPOINT ["loraplane", "operator", "run"]
+# Both images share the `loraplane` entrypoint; the subcommand is the default command (the chart passes
+# `operator run <flags>` as args, as the operator passes `serve <flags>` to server pods).
+ENTRYPOINT ["loraplane"]
+CMD ["operator", "run", "--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz", "--metrics-port=9090"]

@@ -48,4 +48,6 @@ ENV PATH=/opt/loraplane/bin:$PATH \
 VOLUME ["/var/cache/loraplane", "/tmp"]
 USER 10001:10001
 EXPOSE 8000
-ENTRYPOINT ["loraplane", "serve"]
+# The operator's server Deployment passes `serve <flags>` as args (operator/builders.py server_args).
+ENTRYPOINT ["loraplane"]
+CMD ["serve"]

@@ -14,6 +14,8 @@ trap 'rm -rf "$tree"' EXIT
   source scripts/device_env.sh
   cd "$tree" && "$OLDPWD/$BIN/lint-imports" "$OLDPWD/.importlinter"
 )
+# The chart ships a copy of crds/: they must stay identical.
+.venv/bin/python scripts/sync_chart_crds.py --check
 big=$(git ls-files '*.py' | grep -Ev '^(tests|e2e)/' | xargs -r wc -l | awk '$2 != "total" && $1 > 400 {print "  " $2 " (" $1 " lines)"}')
 if [ -n "$big" ]; then
   echo "warning: modules over ~400 lines:"

@@ -158,14 +158,23 @@ def attention_rows(runner: ModelRunner, bw: float) -> list[dict]:
     q = torch.randn(B, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
     kv_bytes = B * CTX * 2 * cfg.num_kv_heads * cfg.head_dim * 2
     rows = []
-    for block_n, warps, stages in [(64, 4, 2), (32, 4, 2), (128, 4, 2), (64, 8, 2), (64, 4, 3), (128, 8, 3)]:
+    configs = [
+        (64, 4, 2, 1),
+        (64, 4, 2, 2),
+        (64, 4, 2, 4),
+        (64, 4, 2, 8),
+        (64, 4, 3, 4),
+        (32, 4, 2, 4),
+        (64, 8, 2, 4),
+    ]
+    for block_n, warps, stages, splits in configs:
         ms = median_ms(
-            lambda n=block_n, w=warps, st=stages: paged_decode(
-                q, layer.k_cache, layer.v_cache, tables, lens, 0.088, None, n, w, st
+            lambda n=block_n, w=warps, st=stages, sp=splits: paged_decode(
+                q, layer.k_cache, layer.v_cache, tables, lens, 0.088, None, n, w, st, sp
             ),
             iters=50,
         )
-        rows.append({"case": f"attn B={B} ctx={CTX} block_n={block_n} warps={warps} stages={stages}",
+        rows.append({"case": f"attn B={B} ctx={CTX} block_n={block_n} warps={warps} stages={stages} splits={splits}",
                      "batch": B, "graph_ms": ms, "floor_ms": kv_bytes / bw / 1e6,
                      "x_floor": ms / (kv_bytes / bw / 1e6)})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
@@ -202,14 +211,17 @@ def breakdown_rows(
 def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
     engine = LLMEngine(engine_cfg, runner=runner)
     timing = {"decode_s": 0.0, "mixed_s": 0.0, "decode_steps": 0, "mixed_steps": 0}
+    each: list[tuple[str, int, float]] = []  # (kind, tokens, ms) per step
     execute = runner.execute
 
     def timed_execute(batch):  # execute() ends in a host transfer, so wall time is device time + host prep
         t = time.perf_counter()
         out = execute(batch)
         kind = "decode" if batch.is_decode_only else "mixed"
-        timing[f"{kind}_s"] += time.perf_counter() - t
+        dt = time.perf_counter() - t
+        timing[f"{kind}_s"] += dt
         timing[f"{kind}_steps"] += 1
+        each.append((kind, batch.num_tokens, round(dt * 1e3, 2)))
         return out
 
     runner.execute = timed_execute
@@ -229,7 +241,7 @@ def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
     runner.execute = execute
     timing["engine_overhead_s"] = elapsed - timing["decode_s"] - timing["mixed_s"]
     print(json.dumps(timing), flush=True)
-    return {"seconds": elapsed, "timing": timing, "tok_s": E2E_REQUESTS * E2E_OUT / elapsed, "preemptions": engine.num_preemptions,
+    return {"seconds": elapsed, "timing": timing, "steps": each, "tok_s": E2E_REQUESTS * E2E_OUT / elapsed, "preemptions": engine.num_preemptions,
             "prompts": prompts, "first_outputs": outs[:4]}  # fmt: skip
 
 
@@ -329,6 +341,7 @@ def run(argv: list[str]) -> dict:
             if ours is None
             else {k: round(v, 3) for k, v in ours["timing"].items()},
         },
+        "e2e_steps (kind, tokens, ms)": None if ours is None else ours["steps"],
         "notes": [
             "graph_ms: CUDA-graph forward (inputs copied in, logits out); step_ms: runner.execute (host input "
             "prep + forward + greedy sampling + host transfer); eager_ms: same forward without graphs.",

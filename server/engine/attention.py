@@ -173,11 +173,11 @@ def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, H, D: 
     d = tl.arange(0, D_PAD)
     row = (b * H + h) * NUM_SPLITS + s  # [S]
     m = tl.load(ml_ptr + row * 2)
-    lse = tl.load(ml_ptr + row * 2 + 1)  # the split's softmax denominator
+    l_split = tl.load(ml_ptr + row * 2 + 1)  # each split's softmax denominator
     m_max = tl.max(m, axis=0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: a padding row
     w = tl.exp(m - m_max)  # empty splits: exp(-inf) = 0
-    denom = tl.sum(w * lse, axis=0)
+    denom = tl.sum(w * l_split, axis=0)
     denom = tl.where(denom == 0.0, 1.0, denom)
     acc = tl.load(part_ptr + row[:, None] * D_PAD + d[None, :])  # [S, D_PAD]
     out = tl.sum(acc * w[:, None], axis=0) / denom

@@ -47,14 +47,8 @@ def test_probes_and_metrics_answer(kube_emulator, helm_bins):
         "create", "namespace", NAMESPACE, "--dry-run=client", "-o", "yaml"
     ).stdout
     kube_emulator.kubectl("apply", "-f", "-", input=namespace)
-    command = [
-        str(LORAPLANE),
-        "operator",
-        "run",
-        *container["args"],
-        "--kubeconfig",
-        str(kube_emulator.kubeconfig_path),
-    ]
+    # What the container runs: the image's entrypoint (`loraplane`) with the Deployment's args.
+    command = [str(LORAPLANE), *container["args"], "--kubeconfig", str(kube_emulator.kubeconfig_path)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -173,8 +173,10 @@ def test_gpu_bf16_as_close_to_fp32_as_transformers_bf16(make_hf_model):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_bf16_demo_model_top1_agreement_over_256_greedy_tokens():
-    """SmolLM2 demo, bf16 on the GPU: transformers generates 256 greedy tokens per chat prompt; our engine,
-    teacher-forced on those tokens (prefill + batched CUDA-graph decode), picks the same top-1 >= 99%."""
+    """SmolLM2 demo, bf16 on the GPU: transformers answers chat prompts greedily (to <|im_end|>, at most 256 tokens
+    each, >= 256 in all); our engine, teacher-forced on those tokens (prefill + batched CUDA-graph decode), picks
+    the same top-1 at >= 99% of the positions. Tokens after <|im_end|> are not counted: past the answer the
+    distribution is flat and any two bf16 implementations flip near-ties there."""
     pytest.importorskip("gguf")
     from loraplane.server.engine.demo_model import DemoModelError, ensure_demo_model
 
@@ -185,14 +187,23 @@ def test_gpu_bf16_demo_model_top1_agreement_over_256_greedy_tokens():
     tokenizer = transformers.AutoTokenizer.from_pretrained(demo_dir)
     questions = [
         "What is the capital of France?",
-        "Write a short poem about the sea.",
-        "Explain what a GPU is.",
+        "Write a story about a dragon who learns to fly.",
+        "Explain how a car engine works, step by step.",
+        "Describe the water cycle in detail.",
     ]
-    prompts = []
+    hf = transformers.AutoModelForCausalLM.from_pretrained(demo_dir, dtype=torch.bfloat16).cuda().eval()
+    prompts, sequences = [], []
     for q in questions:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
-        prompts.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    sequences = [p + hf_greedy(demo_dir, p, 256, device="cuda", dtype=torch.bfloat16) for p in prompts]
+        prompt = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        x = torch.tensor([prompt], device="cuda")
+        out = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=256, do_sample=False, pad_token_id=2
+        )
+        prompts.append(prompt)
+        sequences.append(out[0].tolist())
+    total = sum(len(s) - len(p) for s, p in zip(sequences, prompts, strict=True))
+    assert total >= 256, total
     runner = ModelRunner(EngineConfig(model=str(demo_dir), device="cuda", max_num_seqs=8, max_model_len=1024))
     ours = teacher_forced_argmax(runner, sequences, [len(p) for p in prompts])
     agree = sum(
@@ -200,4 +211,4 @@ def test_gpu_bf16_demo_model_top1_agreement_over_256_greedy_tokens():
         for oo, s, p in zip(ours, sequences, prompts, strict=True)
         for o, t in zip(oo, s[len(p) :], strict=True)
     )
-    assert agree / (256 * len(prompts)) >= 0.99, agree
+    assert agree / total >= 0.99, (agree, total)

@@ -13,10 +13,10 @@
 from __future__ import annotations
 
 import base64
-import copy
 from typing import TYPE_CHECKING, Any
 
 from tests.kube.errors import ApiError, now_rfc3339
+from tests.kube.patching import clone
 from tests.kube.resources import ResourceType, type_from_crd
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class Controllers:
         if rt is None or not rt.is_custom:
             return
         for key in [k for k in self.objects if k[0] == type_key]:
-            gone = copy.deepcopy(self.objects[key])
+            gone = clone(self.objects[key])
             gone["metadata"]["resourceVersion"] = self._next_rv()
             self._remove(rt, key, gone)
         del self.types[type_key]
@@ -155,7 +155,7 @@ class Controllers:
         if not any(ns == namespace for (_, ns, _) in self.objects):
             ns_key = (NAMESPACE_KEY, "", namespace)
             if ns_key in self.objects:
-                gone = copy.deepcopy(self.objects[ns_key])
+                gone = clone(self.objects[ns_key])
                 gone["metadata"]["resourceVersion"] = self._next_rv()
                 self._remove(self.types[NAMESPACE_KEY], ns_key, gone)
 

@@ -25,7 +25,6 @@ persists across the module's tests, so use distinct namespaces). Both yield a ``
 from __future__ import annotations
 
 import asyncio
-import copy
 import hashlib
 import json
 import os
@@ -43,6 +42,7 @@ import pytest
 
 from tests.kube.emulator import KubeEmulator, LoggedRequest
 from tests.kube.errors import ApiError, now_rfc3339
+from tests.kube.patching import clone
 from tests.kube.store import Store
 
 KUBECTL = str(pathlib.Path(sys.executable).with_name("kubectl"))
@@ -203,7 +203,7 @@ class RunningEmulator:
         rt = self.store.type_by_kind(api_version, kind)
 
         def change(obj: dict[str, Any]) -> dict[str, Any]:
-            obj["status"] = copy.deepcopy(status)
+            obj["status"] = clone(status)
             return obj
 
         return self.store.update(rt, namespace if rt.namespaced else "", name, change, "status")
@@ -278,7 +278,7 @@ class RunningEmulator:
             pod_ip = ip(index) if callable(ip) else ip
             self.make_pod(f"{name}-{template_hash}-{secrets.token_hex(3)[:5]}", labels, namespace=namespace,
                           ready=ready, ip=pod_ip, port=port, owner=owner,
-                          containers=copy.deepcopy(template["spec"]["containers"]))  # fmt: skip
+                          containers=clone(template["spec"]["containers"]))  # fmt: skip
         pods = [p for p in self._owned_pods(uid, namespace)
                 if p["metadata"]["labels"].get("pod-template-hash") == template_hash]  # fmt: skip
         all_pods = self._owned_pods(uid, namespace)

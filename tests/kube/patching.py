@@ -11,9 +11,18 @@
 
 from __future__ import annotations
 
-import copy
 import re
 from typing import Any
+
+
+def clone(value: Any) -> Any:
+    """A deep copy of JSON-like data, several times faster than copy.deepcopy (a hot path)."""
+    kind = type(value)
+    if kind is dict:
+        return {key: clone(item) for key, item in value.items()}
+    if kind is list:
+        return [clone(item) for item in value]
+    return value
 
 
 class PatchError(ValueError):
@@ -26,7 +35,7 @@ class PatchError(ValueError):
 
 def merge_patch(target: Any, patch: Any) -> Any:
     if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
+        return clone(patch)
     result = dict(target) if isinstance(target, dict) else {}
     for key, value in patch.items():
         if value is None:
@@ -38,9 +47,9 @@ def merge_patch(target: Any, patch: Any) -> Any:
 
 def strategic_merge_patch(target: Any, patch: Any) -> Any:
     if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
+        return clone(patch)
     if patch.get("$patch") == "replace":
-        return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
+        return {k: clone(v) for k, v in patch.items() if k != "$patch"}
     if patch.get("$patch") == "delete":
         return None
     result = dict(target) if isinstance(target, dict) else {}
@@ -89,19 +98,17 @@ def _merge_named_lists(current: list[dict[str, Any]], patch: list[dict[str, Any]
 def three_way_patch(last_applied: Any, config: Any) -> Any:
     """The merge patch taking a manager's last applied config to its new one (dropped keys -> null)."""
     if not isinstance(config, dict) or not isinstance(last_applied, dict):
-        return copy.deepcopy(config)
+        return clone(config)
     patch: dict[str, Any] = {key: None for key in last_applied if key not in config}
     for key, value in config.items():
-        patch[key] = (
-            three_way_patch(last_applied.get(key), value) if key in last_applied else copy.deepcopy(value)
-        )
+        patch[key] = three_way_patch(last_applied.get(key), value) if key in last_applied else clone(value)
     return patch
 
 
 def json_patch(target: Any, operations: list[dict[str, Any]]) -> Any:
     if not isinstance(operations, list):
         raise PatchError("a JSON patch must be a list of operations")
-    doc = copy.deepcopy(target)
+    doc = clone(target)
     for op in operations:
         kind, path = op.get("op"), op.get("path")
         if not isinstance(path, str):
@@ -113,14 +120,14 @@ def json_patch(target: Any, operations: list[dict[str, Any]]) -> Any:
                     f"testing value {path} failed: {found!r} != {op.get('value')!r}", conflict=True
                 )
         elif kind == "add":
-            doc = _put(doc, path, copy.deepcopy(op.get("value")), insert=True)
+            doc = _put(doc, path, clone(op.get("value")), insert=True)
         elif kind == "replace":
             _get(doc, path)  # must exist
-            doc = _put(doc, path, copy.deepcopy(op.get("value")), insert=False)
+            doc = _put(doc, path, clone(op.get("value")), insert=False)
         elif kind == "remove":
             doc = _remove(doc, path)
         elif kind in ("move", "copy"):
-            value = copy.deepcopy(_get(doc, op.get("from", "")))
+            value = clone(_get(doc, op.get("from", "")))
             if kind == "move":
                 doc = _remove(doc, op["from"])
             doc = _put(doc, path, value, insert=True)

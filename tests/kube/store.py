@@ -8,7 +8,6 @@ delivered with ``call_soon_threadsafe``). Objects of a type are stored once, wha
 from __future__ import annotations
 
 import collections
-import copy
 import re
 import secrets
 import threading
@@ -19,6 +18,7 @@ from typing import Any
 from tests.kube import patching, schemas
 from tests.kube.controllers import CRD_KEY, NAMESPACE_KEY, Controllers, fold_string_data
 from tests.kube.errors import ApiError, now_rfc3339
+from tests.kube.patching import clone
 from tests.kube.resources import ResourceType, builtin_types
 from tests.kube.watching import Event, Watcher
 
@@ -71,14 +71,14 @@ class Store(Controllers):
             obj = self.objects.get((rt.key, namespace, name))
             if obj is None:
                 raise ApiError.not_found(rt, name)
-            return copy.deepcopy(obj)
+            return clone(obj)
 
     def list(
         self, rt: ResourceType, namespace: str | None, matches: Callable[[dict], bool]
     ) -> tuple[list, int]:
         with self.lock:
             items = [
-                copy.deepcopy(obj)
+                clone(obj)
                 for (key, ns, _), obj in self.objects.items()
                 if key == rt.key and (namespace is None or ns == namespace) and matches(obj)
             ]
@@ -109,7 +109,7 @@ class Store(Controllers):
     def _emit(self, rt: ResourceType, type_: str, obj: dict[str, Any], old: dict[str, Any] | None) -> None:
         if len(self.history) == self.history.maxlen:
             self.history_truncated = True
-        event = Event(int(obj["metadata"]["resourceVersion"]), rt.key, type_, copy.deepcopy(obj), old)
+        event = Event(int(obj["metadata"]["resourceVersion"]), rt.key, type_, clone(obj), old)
         self.history.append(event)
         for watcher in list(self.watchers):
             watcher.offer(event)
@@ -121,7 +121,7 @@ class Store(Controllers):
     # --- create --------------------------------------------------------------------------------
 
     def create(self, rt: ResourceType, namespace: str, body: dict[str, Any], dry_run: bool = False) -> dict:
-        obj = copy.deepcopy(body)
+        obj = clone(body)
         meta = obj.setdefault("metadata", {})
         if not isinstance(meta, dict):
             raise ApiError(400, "BadRequest", "metadata must be an object")
@@ -162,7 +162,7 @@ class Store(Controllers):
             self.objects[key] = obj
             self._emit(rt, "ADDED", obj, None)
             self._collect_if_owners_absent(rt, key[1], name)
-            return copy.deepcopy(obj)
+            return clone(obj)
 
     def _structural(self, rt: ResourceType, obj: dict[str, Any], name: str) -> dict[str, Any]:
         """Custom resources: prune, default and validate against the CRD's schema, as admission does."""
@@ -218,7 +218,7 @@ class Store(Controllers):
             current = self.objects.get(key)
             if current is None:
                 raise ApiError.not_found(rt, name)
-            candidate = change(copy.deepcopy(current))
+            candidate = change(clone(current))
             if not isinstance(candidate, dict):
                 raise ApiError(400, "BadRequest", "the patched object is not a JSON object")
             meta = candidate.setdefault("metadata", {})
@@ -245,7 +245,7 @@ class Store(Controllers):
             self._validate_meta(rt, new, name)
             new = self._structural(rt, new, name)
             if new == current:
-                return copy.deepcopy(current)  # a no-op write keeps the resourceVersion, as the API does
+                return clone(current)  # a no-op write keeps the resourceVersion, as the API does
             if _generation_relevant(new) != _generation_relevant(current):
                 new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
             if rt.key == CRD_KEY and subresource == "":
@@ -260,11 +260,11 @@ class Store(Controllers):
                 self._emit(rt, "MODIFIED", new, current)
                 if new["metadata"].get("ownerReferences") != current["metadata"].get("ownerReferences"):
                     self._collect_if_owners_absent(rt, namespace, name)
-            return copy.deepcopy(new)
+            return clone(new)
 
     def _merge_by_subresource(self, rt: ResourceType, current: dict, candidate: dict, sub: str) -> dict:
         if sub == "status":
-            new = copy.deepcopy(current)
+            new = clone(current)
             if "status" in candidate:
                 new["status"] = candidate["status"]
             else:
@@ -273,7 +273,7 @@ class Store(Controllers):
         new = candidate
         if rt.status_subresource:
             if "status" in current:
-                new["status"] = copy.deepcopy(current["status"])
+                new["status"] = clone(current["status"])
             else:
                 new.pop("status", None)
         new["kind"], new["apiVersion"] = current["kind"], current["apiVersion"]
@@ -336,13 +336,13 @@ class Store(Controllers):
             ):
                 raise ApiError.conflict(rt, name)
             if dry_run:
-                return copy.deepcopy(current)
+                return clone(current)
             if options.get("propagationPolicy") == "Orphan":
                 self._orphaning.add(current["metadata"]["uid"])
             if current["metadata"].get("deletionTimestamp"):
-                return copy.deepcopy(current)
+                return clone(current)
             if current["metadata"].get("finalizers") or rt.key == NAMESPACE_KEY:
-                new = copy.deepcopy(current)
+                new = clone(current)
                 new["metadata"]["deletionTimestamp"] = now_rfc3339()
                 new["metadata"]["deletionGracePeriodSeconds"] = 0
                 new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
@@ -353,11 +353,11 @@ class Store(Controllers):
                 self._emit(rt, "MODIFIED", new, current)
                 if rt.key == NAMESPACE_KEY:
                     self._drain_namespace(name)
-                return copy.deepcopy(self.objects.get(key, new))
-            removed = copy.deepcopy(current)
+                return clone(self.objects.get(key, new))
+            removed = clone(current)
             removed["metadata"]["resourceVersion"] = self._next_rv()
             self._remove(rt, key, removed)
-            return copy.deepcopy(removed)
+            return clone(removed)
 
     def _remove(self, rt: ResourceType, key: ObjectKey, last: dict[str, Any]) -> None:
         """Drop the object for good: DELETED event, CRD unregistration, garbage collection."""

@@ -17,13 +17,15 @@ def adapter_calls(world) -> collections.Counter:
     counts = collections.Counter()
     for request in list(world.emu.requests):
         if request.path.startswith(prefix) and not request.is_watch:
-            counts[(request.path[len(prefix) :].split("/")[0], request.method)] += 1
+            name, _, sub = request.path[len(prefix) :].partition("/")
+            counts[(name, f"{request.method} {sub}".strip(), request.content_type)] += 1
     return counts
 
 
 def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
     world.create_base(replicas=1)
-    tunables = fast_tunables(drift_interval=3.0)
+    # Generous timeouts: 200 adapters share one fake pod (a Python thread per request) on a busy machine.
+    tunables = fast_tunables(drift_interval=3.0, admin_connect_timeout=5.0, admin_read_timeout=10.0)
     with OperatorThread(world.emu, world.ns, tunables):
         pod = world.add_pod()
         started = time.monotonic()
@@ -43,8 +45,8 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
         converged = time.monotonic() - started
         assert len(pod.entries) == N
         settled = adapter_calls(world)
-        writes = {n: sum(c for (name, m), c in settled.items() if name == n and m != "GET") for n in names}
-        reads = sum(c for (_, m), c in settled.items() if m == "GET")
+        writes = {n: sum(c for (name, m, _), c in settled.items() if name == n and m != "GET") for n in names}
+        reads = sum(c for (_, m, _), c in settled.items() if m == "GET")
         time.sleep(2 * tunables.drift_interval + 1)  # two drift checks of every adapter
         later = adapter_calls(world)
         new_writes = sum(later.values()) - sum(settled.values())
@@ -53,5 +55,8 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
         worst = max(writes, key=writes.get)
         assert writes[worst] <= WRITES_PER_ADAPTER, {k: v for k, v in settled.items() if k[0] == worst}
         assert reads == 0, "the operator reads adapters from its watch, not per pass"
-        assert new_writes == 0, "converged adapters must not write (hot loop)"
+        idle = collections.Counter({k[1:]: 0 for k in later})
+        for key in later:
+            idle[key[1:]] += later[key] - settled.get(key, 0)
+        assert new_writes == 0, f"converged adapters must not write (hot loop): {+idle}"
         assert pod.count("GET") >= N, "the drift checks still ran, against the pods only"
