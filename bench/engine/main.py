@@ -224,7 +224,6 @@ def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
         each.append((kind, batch.num_tokens, round(dt * 1e3, 2)))
         return out
 
-    runner.execute = timed_execute
     seqs = make_seqs(runner, E2E_REQUESTS, E2E_IN)
     prompts = [s.prompt_token_ids for s in seqs]
     params = SamplingParams(temperature=0.0, max_tokens=E2E_OUT, ignore_eos=True)
@@ -232,6 +231,7 @@ def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
     engine.generate(
         [p[:500] for p in prompts[:24]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     )
+    runner.execute = timed_execute  # after the warm-up: only the measured run is split into step kinds
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params)
@@ -241,8 +241,15 @@ def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
     runner.execute = execute
     timing["engine_overhead_s"] = elapsed - timing["decode_s"] - timing["mixed_s"]
     print(json.dumps(timing), flush=True)
-    return {"seconds": elapsed, "timing": timing, "steps": each, "tok_s": E2E_REQUESTS * E2E_OUT / elapsed, "preemptions": engine.num_preemptions,
-            "prompts": prompts, "first_outputs": outs[:4]}  # fmt: skip
+    return {
+        "seconds": elapsed,
+        "timing": timing,
+        "steps": each,
+        "tok_s": E2E_REQUESTS * E2E_OUT / elapsed,
+        "preemptions": engine.num_preemptions,
+        "prompts": prompts,
+        "first_outputs": outs[:4],
+    }
 
 
 def run_hf_generate(model, prompts: list[list[int]]) -> dict:

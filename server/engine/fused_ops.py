@@ -148,7 +148,9 @@ def rope_and_store_kv(qkv: torch.Tensor, num_q: int, num_kv: int, positions: tor
         qk = qkv[:, : num_q + num_kv]
         qk.copy_(rope_ref(qk, positions, cos, sin))
         if store:
-            k_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slot_mapping, qkv[:, num_q : num_q + num_kv])
+            k_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(
+                0, slot_mapping, qkv[:, num_q : num_q + num_kv]
+            )
             v_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slot_mapping, qkv[:, num_q + num_kv :])
         return
     T, H, D = qkv.shape

@@ -22,7 +22,8 @@ Emulated:
 - namespaces (default, kube-system, kube-public exist; objects in a missing namespace are 404;
   deleting a namespace deletes its contents);
 - label selectors (=, ==, !=, in, notin, exists, !exists) and field selectors (metadata.name and
-  metadata.namespace everywhere; any dotted field for built-ins, e.g. pods' status.phase);
+  metadata.namespace everywhere, a CRD's selectableFields; any dotted field for built-ins, e.g.
+  pods' status.phase);
 - watch (``watch=true|1``, legacy /watch/ paths): resourceVersion (history replay; absent or "0"
   gives synthetic ADDED), 410 Expired past the bounded history, timeoutSeconds, allowWatchBookmarks,
   sendInitialEvents (initial-events-end bookmark), selectors with ADDED/DELETED on transitions;
@@ -77,19 +78,13 @@ class KubeEmulator(kmock.RawHandler):
 
     async def __call__(self, raw: aiohttp.web.BaseRequest) -> aiohttp.web.StreamResponse:
         body = await raw.read()
-        try:
-            request = await rendering.Request._parse(raw, id=len(self._requests))
-        except ValueError:  # KMock 0.8's path parser fails on e.g. /api/v1/namespaces
-            request = rendering.Request(
-                id=len(self._requests),
-                raw_request=raw,
-                url=raw.url,
-                method=raw.method,
-                params=dict(raw.query),
-                headers=dict(raw.headers),
-                body=body,
-                text=body.decode(errors="replace"),
-            )
+        request = rendering.Request(id=len(self._requests), raw_request=raw, url=raw.url, method=raw.method,
+                                    params=dict(raw.query), headers=dict(raw.headers), body=body)  # fmt: skip
+        if self._payloads:  # KMock's full parsing (k8s criteria) is costly: only when reactions need it
+            try:
+                request = await rendering.Request._parse(raw, id=len(self._requests))
+            except ValueError:  # KMock 0.8's path parser fails on e.g. /api/v1/namespaces
+                pass
         self._requests.append(request)
         try:
             return await self._handle(request)

@@ -8,6 +8,8 @@ a real cluster. Nothing reads $KUBECONFIG: clients are built from ``kubeconfig_p
 Fixtures: ``kube_emulator`` (function scope), ``kube_emulator_module`` (module scope; its store
 persists across the module's tests, so use distinct namespaces). Both yield a ``RunningEmulator``:
 
+- ``RunningEmulator(workdir, bookmark_interval=5.0, port=0, schema_checks=True).start()`` / ``.stop()``
+  for a hand-made one (the fixtures use a 1 s bookmark interval);
 - ``.url``, ``.kubeconfig_path`` (token "dummy-token", context namespace "default"), ``.store``;
 - ``.api_client()`` -> ``kubernetes.client.ApiClient``; ``.kubectl(*args, check=True, input=None)``;
 - ``.requests`` (``LoggedRequest(method, path, query, content_type, body, status)``, ``.is_watch``),
@@ -19,7 +21,11 @@ persists across the module's tests, so use distinct namespaces). Both yield a ``
   ``.delete(api_version, kind, name, namespace)``;
 - pods: ``.make_pod(name, labels, namespace=, ready=, ip=, port=, owner=, containers=)``,
   ``.set_pod_ready(name, ready, namespace)``,
-  ``.create_pods_for_deployment(name, namespace, ip=, port=, ready=, replicas=)``.
+  ``.create_pods_for_deployment(name, namespace, ip=str|fn(index), port=, ready=, replicas=,
+  replace_outdated=True)`` (plays the Deployment/ReplicaSet controllers once, status included).
+
+kopf in the test's loop: ``async with tests.kube.operators.running_operator(kube, registry): ...``;
+a hand-run server for kubectl sessions: ``.venv/bin/python tests/kube/serve.py --kubeconfig PATH``.
 """
 
 from __future__ import annotations
@@ -30,7 +36,6 @@ import json
 import os
 import pathlib
 import re
-import secrets
 import subprocess
 import sys
 import threading
@@ -43,7 +48,7 @@ import pytest
 from tests.kube.emulator import KubeEmulator, LoggedRequest
 from tests.kube.errors import ApiError, now_rfc3339
 from tests.kube.patching import clone
-from tests.kube.store import Store
+from tests.kube.store import Store, random_suffix
 
 KUBECTL = str(pathlib.Path(sys.executable).with_name("kubectl"))
 
@@ -51,9 +56,11 @@ KUBECTL = str(pathlib.Path(sys.executable).with_name("kubectl"))
 class RunningEmulator:
     """A handle on an emulator serving on 127.0.0.1 from a background thread."""
 
-    def __init__(self, workdir: pathlib.Path, bookmark_interval: float = 5.0, port: int = 0) -> None:
+    def __init__(
+        self, workdir: pathlib.Path, bookmark_interval: float = 5.0, port: int = 0, schema_checks: bool = True
+    ) -> None:
         self.workdir = workdir
-        self.store = Store()
+        self.store = Store(schema_checks=schema_checks)
         self.emulator: KubeEmulator | None = None
         self._bookmark_interval = bookmark_interval
         self._port = port or None
@@ -276,7 +283,7 @@ class RunningEmulator:
             self.delete("v1", "Pod", pod["metadata"]["name"], namespace)
         for index in range(len(current), want):
             pod_ip = ip(index) if callable(ip) else ip
-            self.make_pod(f"{name}-{template_hash}-{secrets.token_hex(3)[:5]}", labels, namespace=namespace,
+            self.make_pod(f"{name}-{template_hash}-{random_suffix()}", labels, namespace=namespace,
                           ready=ready, ip=pod_ip, port=port, owner=owner,
                           containers=clone(template["spec"]["containers"]))  # fmt: skip
         pods = [p for p in self._owned_pods(uid, namespace)

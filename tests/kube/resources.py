@@ -42,6 +42,9 @@ class ResourceType:
     printer_columns: list[PrinterColumn] = dataclasses.field(default_factory=list)
     is_custom: bool = False  # CRD-backed: JSON/merge patches only, PUT needs a resourceVersion
     schemas: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)  # version -> openAPIV3Schema
+    selectable_fields: list[str] = dataclasses.field(
+        default_factory=list
+    )  # CRD selectableFields, as "spec.x"
 
     def __post_init__(self) -> None:
         if not self.plural or self.plural.lower() != self.plural:
@@ -49,6 +52,12 @@ class ResourceType:
         if not self.versions:
             raise ValueError(f"versions of {self.plural} must not be empty")
         self.singular = self.singular or self.kind.lower()
+
+    @property
+    def tracks_generation(self) -> bool:
+        """Whether metadata.generation is kept: custom resources and spec-driven built-ins, not data kinds."""
+        spec_driven = ("apps", "batch", "policy", "autoscaling", "networking.k8s.io", "apiextensions.k8s.io")
+        return self.is_custom or self.group in spec_driven or self.key == ("", "pods")
 
     @property
     def key(self) -> tuple[str, str]:
@@ -224,6 +233,7 @@ def type_from_crd(crd: dict[str, Any]) -> ResourceType:
         else None,
         printer_columns=columns,
         schemas={v["name"]: (v.get("schema") or {}).get("openAPIV3Schema") or {} for v in served},
+        selectable_fields=[f["jsonPath"].lstrip(".") for f in storage.get("selectableFields") or []],
         is_custom=True,
     )
 

@@ -89,6 +89,7 @@ def gadget_crd() -> dict[str, Any]:
                     "storage": True,
                     "schema": {"openAPIV3Schema": schema},
                     "subresources": {"status": {}},
+                    "selectableFields": [{"jsonPath": ".spec.mode"}],
                 }
             ],  # fmt: skip
         },

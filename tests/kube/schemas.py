@@ -1,19 +1,20 @@
 """Structural-schema handling of custom resources, in the API server's order: prune, default, validate.
 
 - pruning drops fields the CRD's openAPIV3Schema does not declare (unless a node has
-  ``x-kubernetes-preserve-unknown-fields``), as a real cluster silently does;
+  ``x-kubernetes-preserve-unknown-fields``), and nulls of non-nullable fields, as a cluster silently does;
 - defaulting fills ``default:`` values of missing properties under existing objects;
-- validation checks types, required, enum, pattern, bounds, lengths and items (jsonschema, Draft 4
-  rules as OpenAPI 3.0 uses them; ``nullable`` and ``x-kubernetes-int-or-string`` honoured).
+- validation checks type, required, enum, pattern, bounds, lengths, item and property counts,
+  allOf/anyOf/oneOf and ``x-kubernetes-int-or-string``, with the API server's error wording.
   CEL rules (``x-kubernetes-validations``), formats and validation ratcheting are not emulated.
 """
 
 from __future__ import annotations
 
-import copy
+import functools
+import re
 from typing import Any
 
-import jsonschema
+from tests.kube.patching import clone
 
 _ROOT_KEYS = ("apiVersion", "kind", "metadata")
 
@@ -21,10 +22,14 @@ _ROOT_KEYS = ("apiVersion", "kind", "metadata")
 def prune_and_default(obj: dict[str, Any], schema: dict[str, Any]) -> dict[str, Any]:
     """Return a pruned and defaulted copy; ``apiVersion``, ``kind`` and ``metadata`` stay untouched."""
     body = {k: v for k, v in obj.items() if k not in _ROOT_KEYS}
-    root_schema = {**schema, "properties": {k: v for k, v in (schema.get("properties") or {}).items()
-                                            if k not in _ROOT_KEYS}}  # fmt: skip
-    result = _walk(body, root_schema)
+    result = _walk(body, _body_schema(schema))
     return {**{k: obj[k] for k in _ROOT_KEYS if k in obj}, **result}
+
+
+def _body_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    properties = {k: v for k, v in (schema.get("properties") or {}).items() if k not in _ROOT_KEYS}
+    required = [r for r in schema.get("required") or [] if r not in _ROOT_KEYS]
+    return {**schema, "properties": properties, "required": required}
 
 
 def _walk(value: Any, schema: dict[str, Any]) -> Any:
@@ -36,15 +41,17 @@ def _walk(value: Any, schema: dict[str, Any]) -> Any:
         )
         result: dict[str, Any] = {}
         for key, child in value.items():
-            if properties is not None and key in properties:
-                result[key] = _walk(child, properties[key])
-            elif isinstance(additional, dict):
-                result[key] = _walk(child, additional)
+            child_schema = properties.get(key) if properties is not None else None
+            if child_schema is None and isinstance(additional, dict):
+                child_schema = additional
+            if child_schema is not None:
+                if child is not None or child_schema.get("nullable"):
+                    result[key] = _walk(child, child_schema)
             elif keep_unknown or (properties is None and additional in (None, True)):
                 result[key] = child
         for key, child_schema in (properties or {}).items():
             if key not in result and "default" in child_schema:
-                result[key] = _walk(copy.deepcopy(child_schema["default"]), child_schema)
+                result[key] = _walk(clone(child_schema["default"]), child_schema)
         return result
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [_walk(item, schema["items"]) for item in value]
@@ -53,51 +60,137 @@ def _walk(value: Any, schema: dict[str, Any]) -> Any:
 
 def validation_errors(obj: dict[str, Any], schema: dict[str, Any]) -> list[str]:
     """Field errors as the API server words them: ``spec.replicas: Invalid value: ...``."""
-    body = {k: v for k, v in obj.items() if k not in _ROOT_KEYS}
-    errors = []
-    found = _validator(schema).iter_errors(body)
-    for error in sorted(found, key=lambda e: [str(p) for p in e.absolute_path]):
-        path = ".".join(str(p) for p in error.absolute_path)
-        if error.validator == "required":
-            missing = error.message.split("'")[1] if "'" in error.message else "?"
-            errors.append(f"{'.'.join(filter(None, [path, missing]))}: Required value")
-        else:
-            errors.append(f"{path or '<root>'}: Invalid value: {error.instance!r}: {error.message}")
+    errors: list[str] = []
+    _check({k: v for k, v in obj.items() if k not in _ROOT_KEYS}, _body_schema(schema), "", errors)
     return errors
 
 
-_validators: dict[int, tuple[dict[str, Any], jsonschema.Draft4Validator]] = {}
+_TYPES = {
+    "object": lambda v: isinstance(v, dict),
+    "array": lambda v: isinstance(v, list),
+    "string": lambda v: isinstance(v, str),
+    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "boolean": lambda v: isinstance(v, bool),
+}
 
 
-def _validator(schema: dict[str, Any]) -> jsonschema.Draft4Validator:
-    """Compile once per CRD schema object (kept alive here, so its id is not reused)."""
-    cached = _validators.get(id(schema))
-    if cached is None or cached[0] is not schema:
-        properties = {k: v for k, v in (schema.get("properties") or {}).items() if k not in _ROOT_KEYS}
-        required = [r for r in schema.get("required") or [] if r not in _ROOT_KEYS]
-        root = {**schema, "properties": properties, "required": required}
-        if not required:
-            root.pop("required")  # Draft 4 wants a non-empty list
-        cached = _validators[id(schema)] = (schema, jsonschema.Draft4Validator(_to_json_schema(root)))
-    return cached[1]
-
-
-def _to_json_schema(schema: Any) -> Any:
-    """OpenAPI 3.0 (Kubernetes flavour) to JSON Schema Draft 4."""
-    if isinstance(schema, list):
-        return [_to_json_schema(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {
-        k: _to_json_schema(v)
-        for k, v in schema.items()
-        if not k.startswith("x-kubernetes-") and k != "default"
-    }
+def _check(value: Any, schema: dict[str, Any], path: str, errors: list[str]) -> None:
+    where = path or "<root>"
+    if value is None:
+        if not schema.get("nullable") and schema.get("type"):
+            errors.append(f'{where}: Invalid value: "null": {where} in body must be of type {schema["type"]}')
+        return
     if schema.get("x-kubernetes-int-or-string"):
-        out.pop("type", None)
-        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
-    if schema.get("nullable") and isinstance(out.get("type"), str):
-        out["type"] = [out["type"], "null"]
-    out.pop("nullable", None)
-    out.pop("format", None)  # formats are advisory in jsonschema; the server checks few of them
-    return out
+        if not (_TYPES["integer"](value) or isinstance(value, str)):
+            errors.append(
+                f"{where}: Invalid value: {_show(value)}: {where} in body must be of type int-or-string"
+            )
+        return
+    kind = schema.get("type")
+    if kind in _TYPES and not _TYPES[kind](value):
+        errors.append(f"{where}: Invalid value: {_show(value)}: {where} in body must be of type {kind}: "
+                      f"{_type_name(value)}")  # fmt: skip
+        return
+    if "enum" in schema and value not in schema["enum"]:
+        supported = ", ".join(_show(v) for v in schema["enum"])
+        errors.append(f"{where}: Unsupported value: {_show(value)}: supported values: {supported}")
+    for composite in ("allOf", "anyOf", "oneOf"):
+        if composite in schema:
+            _check_composite(value, schema[composite], composite, path, errors)
+    if isinstance(value, str):
+        _check_string(value, schema, where, errors)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check_number(value, schema, where, errors)
+    elif isinstance(value, list):
+        _check_array(value, schema, path, errors)
+    elif isinstance(value, dict):
+        _check_object(value, schema, path, errors)
+
+
+def _check_composite(value: Any, options: list, composite: str, path: str, errors: list[str]) -> None:
+    results = []
+    for option in options:
+        found: list[str] = []
+        _check(value, option, path, found)
+        results.append(found)
+    passing = sum(not found for found in results)
+    if composite == "allOf":
+        errors.extend(e for found in results for e in found)
+    elif passing == 0 or (composite == "oneOf" and passing > 1):
+        errors.append(f"{path or '<root>'}: Invalid value: {_show(value)}: must validate {composite}")
+
+
+def _check_string(value: str, schema: dict[str, Any], where: str, errors: list[str]) -> None:
+    if "pattern" in schema and not _regex(schema["pattern"]).search(value):
+        errors.append(
+            f"{where}: Invalid value: {_show(value)}: {where} in body should match '{schema['pattern']}'"
+        )
+    if "maxLength" in schema and len(value) > schema["maxLength"]:
+        errors.append(f"{where}: Too long: may not be more than {schema['maxLength']} bytes")
+    if "minLength" in schema and len(value) < schema["minLength"]:
+        errors.append(f"{where}: Invalid value: {_show(value)}: {where} in body should be at least "
+                      f"{schema['minLength']} chars long")  # fmt: skip
+
+
+def _check_number(value: float, schema: dict[str, Any], where: str, errors: list[str]) -> None:
+    low, high = schema.get("minimum"), schema.get("maximum")
+    if low is not None and (value < low or (schema.get("exclusiveMinimum") and value == low)):
+        relation = "greater than" if schema.get("exclusiveMinimum") else "greater than or equal to"
+        errors.append(f"{where}: Invalid value: {_show(value)}: {where} in body should be {relation} {low}")
+    if high is not None and (value > high or (schema.get("exclusiveMaximum") and value == high)):
+        relation = "less than" if schema.get("exclusiveMaximum") else "less than or equal to"
+        errors.append(f"{where}: Invalid value: {_show(value)}: {where} in body should be {relation} {high}")
+
+
+def _check_array(value: list, schema: dict[str, Any], path: str, errors: list[str]) -> None:
+    where = path or "<root>"
+    if "maxItems" in schema and len(value) > schema["maxItems"]:
+        errors.append(f"{where}: Too many: {len(value)}: must have at most {schema['maxItems']} items")
+    if "minItems" in schema and len(value) < schema["minItems"]:
+        errors.append(f"{where}: Invalid value: {len(value)}: {where} in body should have at least "
+                      f"{schema['minItems']} items")  # fmt: skip
+    if isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            _check(item, schema["items"], f"{path}[{index}]", errors)
+
+
+def _check_object(value: dict, schema: dict[str, Any], path: str, errors: list[str]) -> None:
+    for name in schema.get("required") or []:
+        if name not in value:
+            errors.append(f"{_join(path, name)}: Required value")
+    properties = schema.get("properties") or {}
+    additional = schema.get("additionalProperties")
+    for key, child in value.items():
+        child_schema = properties.get(key) or (additional if isinstance(additional, dict) else None)
+        if child_schema is not None:
+            _check(child, child_schema, _join(path, key), errors)
+    if "maxProperties" in schema and len(value) > schema["maxProperties"]:
+        errors.append(f"{path or '<root>'}: Too many: {len(value)}: must have at most "
+                      f"{schema['maxProperties']} items")  # fmt: skip
+    if "minProperties" in schema and len(value) < schema["minProperties"]:
+        errors.append(f"{path or '<root>'}: Invalid value: {len(value)}: should have at least "
+                      f"{schema['minProperties']} properties")  # fmt: skip
+
+
+@functools.lru_cache(maxsize=512)
+def _regex(pattern: str) -> re.Pattern[str]:
+    return re.compile(pattern)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _show(value: Any) -> str:
+    return (
+        f'"{value}"'
+        if isinstance(value, str)
+        else repr(value).replace("True", "true").replace("False", "false")
+    )
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean"}.get(
+        type(value), type(value).__name__
+    )

@@ -15,7 +15,9 @@ import sys
 import tempfile
 import time
 
-sys.path.append(str(pathlib.Path(__file__).resolve().parents[2]))
+_HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if pathlib.Path(p or ".").resolve() != _HERE]  # its modules shadow others
+sys.path.append(str(_HERE.parents[1]))  # the repo root, last: its operator/ must not shadow the stdlib
 
 from tests.kube.fixtures import RunningEmulator  # noqa: E402
 

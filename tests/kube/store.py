@@ -8,8 +8,8 @@ delivered with ``call_soon_threadsafe``). Objects of a type are stored once, wha
 from __future__ import annotations
 
 import collections
+import random
 import re
-import secrets
 import threading
 import uuid
 from collections.abc import Callable
@@ -32,6 +32,14 @@ _LABEL_NAME_RE = re.compile(
 
 def _generation_relevant(obj: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in obj.items() if k not in ("metadata", "status", "apiVersion", "kind")}
+
+
+_random = random.Random()
+_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the API server's generateName alphabet (no vowels)
+
+
+def random_suffix(length: int = 5) -> str:
+    return "".join(_random.choices(_SUFFIX_ALPHABET, k=length))
 
 
 class Store(Controllers):
@@ -127,7 +135,7 @@ class Store(Controllers):
             raise ApiError(400, "BadRequest", "metadata must be an object")
         with self.lock:
             if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = meta["generateName"] + secrets.token_hex(3)[:5]
+                meta["name"] = meta["generateName"] + random_suffix()
             name = meta.get("name") or ""
             self._validate_meta(rt, obj, name)
             if rt.namespaced:
@@ -148,9 +156,11 @@ class Store(Controllers):
                 raise ApiError.already_exists(rt, name)
             for field in ("resourceVersion", "uid", "deletionTimestamp", "deletionGracePeriodSeconds"):
                 meta.pop(field, None)
-            meta["uid"] = str(uuid.uuid4())
+            meta["uid"] = str(uuid.UUID(int=_random.getrandbits(128), version=4))  # os.urandom is slow here
             meta["creationTimestamp"] = now_rfc3339()
-            meta["generation"] = 1
+            meta.pop("generation", None)
+            if rt.tracks_generation:
+                meta["generation"] = 1
             obj["kind"], obj["apiVersion"] = rt.kind, rt.api_version(rt.versions[0])
             if rt.status_subresource:
                 obj.pop("status", None)
@@ -246,7 +256,7 @@ class Store(Controllers):
             new = self._structural(rt, new, name)
             if new == current:
                 return clone(current)  # a no-op write keeps the resourceVersion, as the API does
-            if _generation_relevant(new) != _generation_relevant(current):
+            if rt.tracks_generation and _generation_relevant(new) != _generation_relevant(current):
                 new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
             if rt.key == CRD_KEY and subresource == "":
                 self._register_crd(new, dry_run)
@@ -345,7 +355,8 @@ class Store(Controllers):
                 new = clone(current)
                 new["metadata"]["deletionTimestamp"] = now_rfc3339()
                 new["metadata"]["deletionGracePeriodSeconds"] = 0
-                new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
+                if rt.tracks_generation:
+                    new["metadata"]["generation"] = current["metadata"].get("generation", 1) + 1
                 new["metadata"]["resourceVersion"] = self._next_rv()
                 if rt.key == NAMESPACE_KEY:
                     new["status"] = {"phase": "Terminating"}
@@ -383,7 +394,7 @@ def label_matcher(label_selector: str | None, field_selector: str | None, rt: Re
     except ValueError as e:
         raise ApiError(400, "BadRequest", f"unable to parse requirement: {e}") from e
     for field, _, _ in fields:
-        if rt.is_custom and field not in ("metadata.name", "metadata.namespace"):
+        if rt.is_custom and field not in ("metadata.name", "metadata.namespace", *rt.selectable_fields):
             raise ApiError(400, "BadRequest", f"field label not supported: {field}")
 
     def matches(obj: dict[str, Any]) -> bool:

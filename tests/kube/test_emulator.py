@@ -542,6 +542,8 @@ def test_custom_resources_are_pruned_defaulted_and_validated(kube, custom):
         *args, "g1", {"status": {"phase": "Up", "bogus": 1}}
     )
     assert status["status"] == {"phase": "Up"}  # an undeclared status field is dropped, as a cluster does
+    fast = custom.list_namespaced_custom_object(*args, field_selector="spec.mode=fast")["items"]
+    assert [g["metadata"]["name"] for g in fast] == ["g1"]  # a CRD selectableField
     for spec, field in (({"size": 0}, "spec.size"), ({"mode": "slow"}, "spec.size"),
                         ({"size": 1, "mode": "warp"}, "spec.mode")):  # fmt: skip
         with pytest.raises(ApiException) as e:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -174,3 +178,25 @@ def test_server_side_apply_and_protobuf_generators(kube_emulator, tmp_path):
     applied = json.loads(kubectl("get", "cm", "ssa", "-n", "gen", "-o", "json").stdout)
     assert applied["data"] == {"a": "3"}  # the field this manager stopped applying is gone
     kubectl("delete", "namespace", "gen", "--timeout=10s")
+
+
+def test_serve_script_runs_a_standalone_emulator(tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    script = pathlib.Path(__file__).with_name("serve.py")
+    process = subprocess.Popen([sys.executable, str(script), "--kubeconfig", str(kubeconfig)], cwd=tmp_path,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        assert "serving http://127.0.0.1:" in process.stdout.readline()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBE")} | {
+            "KUBECONFIG": str(kubeconfig)
+        }
+        result = subprocess.run([KUBECTL, f"--cache-dir={tmp_path / 'cache'}", "get", "namespaces", "-o", "name"],
+                                capture_output=True, text=True, env=env, timeout=30)  # fmt: skip
+        assert result.stdout.split() == [
+            "namespace/default",
+            "namespace/kube-public",
+            "namespace/kube-system",
+        ]
+    finally:
+        process.send_signal(signal.SIGINT)
+        process.communicate(timeout=30)

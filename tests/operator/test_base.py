@@ -24,10 +24,10 @@ def test_objects_token_rollout_and_cascade(world):
         token = wait_for(lambda: world.emu.get("v1", "Secret", "pool-admin-token", world.ns))
         assert token["metadata"]["ownerReferences"][0]["name"] == "pool"
         for name in ("pool", "pool-admin"):
-            assert (
-                world.emu.get("v1", "Service", name, world.ns)["metadata"]["ownerReferences"][0]["kind"]
-                == "LoRABase"
+            service = wait_for(
+                lambda n=name: world.emu.get("v1", "Service", n, world.ns), what=f"Service {name}"
             )
+            assert service["metadata"]["ownerReferences"][0]["kind"] == "LoRABase"
         base = wait_for(
             lambda: (b := world.get("LoRABase", "pool")).get("status", {}).get("adminTokenSecret") and b
         )

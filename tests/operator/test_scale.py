@@ -44,7 +44,13 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
         )
         converged = time.monotonic() - started
         assert len(pod.entries) == N
+        # kopf may still be catching up with its own annotations on a loaded machine: let it finish.
         settled = adapter_calls(world)
+        for _ in range(20):
+            time.sleep(1.0)
+            if (now := adapter_calls(world)) == settled:
+                break
+            settled = now
         writes = {n: sum(c for (name, m, _), c in settled.items() if name == n and m != "GET") for n in names}
         reads = sum(c for (_, m, _), c in settled.items() if m == "GET")
         time.sleep(2 * tunables.drift_interval + 1)  # two drift checks of every adapter
@@ -58,5 +64,7 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
         idle = collections.Counter({k[1:]: 0 for k in later})
         for key in later:
             idle[key[1:]] += later[key] - settled.get(key, 0)
-        assert new_writes == 0, f"converged adapters must not write (hot loop): {+idle}"
+        noisy = [k[0] for k in later if later[k] != settled.get(k, 0)]
+        sample = world.adapter(noisy[0])["metadata"] if noisy else {}
+        assert new_writes == 0, f"converged adapters must not write (hot loop): {+idle} {sample}"
         assert pod.count("GET") >= N, "the drift checks still ran, against the pods only"
