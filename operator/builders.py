@@ -224,8 +224,8 @@ def build_deployment(base: dict, spec: BaseSpec) -> dict:
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": selector(name)},
-            # Surge one pod so a spec change never drops below the current capacity of a GPU pool.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            # GPU pools rarely hold a spare GPU for a surge pod: replace one pod at a time, which always progresses.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
             "template": build_pod_template(base, spec),
         },
     }

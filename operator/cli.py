@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 
-from loraplane.operator.context import Tunables
+from loraplane.operator.context import DEFAULT_DRIFT_INTERVAL, Tunables
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--drift-interval",
         type=float,
-        default=Tunables.drift_interval,
+        default=DEFAULT_DRIFT_INTERVAL,
         help="seconds between drift checks of each adapter against its pods",
     )
     run.add_argument("--verbose", action="store_true")

@@ -14,10 +14,14 @@ from loraplane.operator.admin_client import AdminClient
 from loraplane.operator.builders import ADMIN_PORT
 from loraplane.operator.kube import Kube
 
+DEFAULT_DRIFT_INTERVAL = 30.0
+
 
 @dataclass(slots=True)
 class Tunables:
-    drift_interval: float = 30.0  # seconds between drift checks of a converged adapter or base
+    drift_interval: float = (
+        DEFAULT_DRIFT_INTERVAL  # seconds between drift checks of a converged adapter or base
+    )
     poll_interval: float = 2.0  # while a pod is still pulling or warming
     retry_delay: float = 5.0  # first retry after a failure; doubles per failure
     max_retry_delay: float = 300.0

@@ -236,6 +236,7 @@ def adapter_status() -> dict:
             "observedGeneration": integer("metadata.generation last reconciled.", 0, 2**62),
             "servingVersion": string("Version most pods serve (every pod once Ready)."),
             "digest": string("Manifest digest of servingVersion."),
+            "servingSource": string("Source URI of servingVersion (restored to restarted pods while a new version fails)."),
             "validatedDigest": string("Manifest digest of spec.version, once validated."),
             "rank": integer("Largest LoRA rank of the validated version.", 0, M.MAX_RANK_LIMIT),
             "readyPods": integer("Pods serving spec.version.", 0, 10**6),

@@ -138,6 +138,24 @@ async def _undo(ctx: Context, undo: R.Undo, token: str, target: R.Target) -> Non
         await ctx.admin.unload(undo.pod.address, token, target.name, target.version)
 
 
+async def restore(ctx: Context, adapter: dict, spec: AdapterSpec, pods, token: str) -> list[R.PodView]:
+    """While spec's version cannot be validated, pods that serve nothing (restarted, new) get the version
+    status says was serving. It was validated when it rolled out, and each pod verifies it again against
+    the pinned digest; without this, a bad new version would empty restarted pods."""
+    old = adapter.get("status") or {}
+    version, digest, uri = old.get("servingVersion"), old.get("digest"), old.get("servingSource")
+    name = adapter["metadata"]["name"]
+    if not (version and digest and uri and pods):
+        return []
+    views = await observe(ctx, pods, token, name)
+    empty = [v for v in views if v.reachable and v.serving(name) is None]
+    if not empty:
+        return views
+    request = LoadRequest(uri, version, digest, spec.pin, spec.warm)
+    await _act(ctx, empty, lambda v: ctx.admin.load(v.address, token, name, request))
+    return await observe(ctx, pods, token, name)
+
+
 async def run_pass(
     ctx: Context, adapter: dict, base: dict | None, pods: list[PodAddress]
 ) -> tuple[Verdict, list]:
@@ -156,14 +174,18 @@ async def run_pass(
         return verdict, views
     try:
         base_spec = BaseSpec.parse(base.get("spec") or {})
-        verified = await validate(ctx, namespace, base_spec, spec)
         token = await admin_token(ctx, namespace, base, base_spec)
     except SpecError as exc:
         verdict.fail(C.BASE_NOT_READY, f"the LoRABase is invalid: {exc}", validated=C.UNKNOWN)
         return verdict, views
     except ValidationFailed as exc:
-        verdict.fail(exc.reason, exc.message, validated=C.UNKNOWN if exc.transient else C.FALSE)
+        verdict.fail(exc.reason, exc.message, validated=C.UNKNOWN)
         return verdict, views
+    try:
+        verified = await validate(ctx, namespace, base_spec, spec)
+    except ValidationFailed as exc:
+        verdict.fail(exc.reason, exc.message, validated=C.UNKNOWN if exc.transient else C.FALSE)
+        return verdict, await restore(ctx, adapter, spec, pods, token)
     rank = max(verified.manifest.ranks.values(), default=0)
     verdict.fields.update(validatedDigest=verified.digest, rank=rank, desiredPods=base_spec.replicas)
     verdict.set(C.VALIDATED, C.TRUE, C.VALID, f"signed by {verified.key_id}, {verified.digest}, rank {rank}")
@@ -171,6 +193,7 @@ async def run_pass(
         state, reason = (C.FALSE, C.BASE_NOT_READY) if base_spec.replicas else (C.TRUE, C.ALL_PODS_SERVING)
         for type_ in (C.CACHED, C.WARMED, C.READY):
             verdict.set(type_, state, reason, f"no ready pod of the base; {base_spec.replicas} desired")
+        verdict.fields.update(readyPods=0, pods=[])
         verdict.set(C.DEGRADED, C.FALSE, C.AS_EXPECTED, "no failure")
         return verdict, views
     target = R.Target(meta["name"], spec.version, verified.digest)
@@ -234,6 +257,8 @@ def status_of(adapter: dict, verdict: Verdict, views: list, now: str) -> dict:
         serving = R.serving_version(views, meta["name"])
         status["servingVersion"] = serving.version if serving else None
         status["digest"] = serving.digest if serving else None
+        if serving is not None and target.matches(serving):  # the source of what serves, for restore()
+            status["servingSource"] = (spec.get("source") or {}).get("uri")
     conds = []
     for type_ in C.ADAPTER_CONDITIONS:
         state, reason, message = verdict.conditions.get(type_, (C.UNKNOWN, C.RECONCILING, "not evaluated"))

@@ -164,7 +164,7 @@ def _more_builtins() -> list[ResourceType]:
             True,
             short_names=["hpa"],
             status_subresource=True,
-        ),  # fmt: skip
+        ),
         ResourceType("batch", ["v1"], "jobs", "Job", True, categories=["all"], status_subresource=True),
         ResourceType(
             "batch", ["v1"], "cronjobs", "CronJob", True, short_names=["cj"], status_subresource=True
@@ -178,7 +178,7 @@ def _more_builtins() -> list[ResourceType]:
             short_names=["ds"],
             categories=["all"],
             status_subresource=True,
-        ),  # fmt: skip
+        ),
         ResourceType(
             "scheduling.k8s.io", ["v1"], "priorityclasses", "PriorityClass", False, short_names=["pc"]
         ),

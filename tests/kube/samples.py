@@ -91,6 +91,6 @@ def gadget_crd() -> dict[str, Any]:
                     "subresources": {"status": {}},
                     "selectableFields": [{"jsonPath": ".spec.mode"}],
                 }
-            ],  # fmt: skip
+            ],
         },
     }

@@ -215,3 +215,18 @@ def test_pod_side_failures_are_reported_per_pod(world, artifacts):
         assert base["status"].get("observedBaseHash") is None  # the pods disagree
         bad.fail, bad.base_hash = None, world.base_hash
         world.wait_ready("chat")
+
+
+def test_a_version_that_fails_validation_leaves_the_old_one_serving_even_on_restarted_pods(world, artifacts):
+    world.create_base(replicas=1)
+    with OperatorThread(world.emu, world.ns):
+        pod = world.add_pod()
+        world.create_adapter("chat", artifacts.uris["v1"], "v1")
+        assert world.wait_ready("chat", version="v1")["status"]["servingSource"] == artifacts.uris["v1"]
+        bad = artifacts.uris["bad_signature"]
+        world.api("PATCH", "LoRAAdapter", "chat", {"spec": {"source": {"uri": bad}, "version": "v2"}})
+        adapter = world.wait_reason("chat", "BadSignature")
+        assert adapter["status"]["servingVersion"] == "v1" and pod.serving("chat") == "v1"
+        pod.restart()
+        wait_for(lambda: pod.serving("chat") == "v1", what="the old version restored while v2 is refused")
+        assert pod.versions("chat") == {"v1"}, "nothing unverified reaches a pod"
