@@ -7,6 +7,7 @@ save work (a validated manifest, a Secret read a moment ago) and are rebuilt aft
 from __future__ import annotations
 
 import asyncio
+import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -48,6 +49,7 @@ class Context:
     failures: dict = field(default_factory=dict)  # (uid, generation) -> consecutive failures (backoff only)
     fingerprints: dict = field(default_factory=dict)  # base key -> what adapters care about
     s3_clients: dict = field(default_factory=dict)  # (endpoint, region, credentials hash) -> boto3 client
+    snapshots: dict = field(default_factory=dict)  # PodAddress -> (taken at, task listing its adapters)
     inflight: dict = field(default_factory=dict)  # validation key -> the task fetching it
     latest: dict = field(default_factory=dict)  # API path -> the object our last status patch returned
     _events: dict = field(default_factory=dict)
@@ -80,7 +82,8 @@ class Context:
         """The delay before the next attempt: exponential while failing, reset by a success."""
         if not failed:
             self.failures.pop(key, None)
-            return self.tunables.drift_interval
+            # +-10% so that thousands of daemons started together do not check their pods in bursts
+            return self.tunables.drift_interval * random.uniform(0.9, 1.1)
         count = self.failures[key] = self.failures.get(key, 0) + 1
         return min(self.tunables.max_retry_delay, self.tunables.retry_delay * 2 ** (count - 1))
 

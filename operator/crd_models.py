@@ -88,6 +88,14 @@ def _bounded(value, low, high, field_: str):
     return value
 
 
+def _secret_name(spec: dict, section: str, ref: str) -> str | None:
+    """``spec.<section>.<ref>.name``, checked, or None when the reference is absent."""
+    outer = _get(spec, section, "spec", dict, {})
+    inner = _get(outer, ref, f"spec.{section}", dict, {})
+    name = _get(inner, "name", f"spec.{section}.{ref}", str)
+    return _match(name, NAME_PATTERN, f"spec.{section}.{ref}.name") if name else None
+
+
 @dataclass(frozen=True, slots=True)
 class SecretKeyRef:
     """A Secret in the object's namespace, read by name only."""
@@ -111,6 +119,28 @@ class Storage:
     access_key_id_key: str = DEFAULT_ACCESS_KEY_ID_KEY
     secret_access_key_key: str = DEFAULT_SECRET_ACCESS_KEY_KEY
 
+    @classmethod
+    def parse(cls, storage: dict) -> Storage:
+        creds = _get(storage, "credentialsSecretRef", "spec.storage", dict, {})
+        name = _get(creds, "name", "spec.storage.credentialsSecretRef", str)
+        return cls(
+            endpoint=_get(storage, "endpoint", "spec.storage", str),
+            region=_get(storage, "region", "spec.storage", str),
+            credentials=_match(name, NAME_PATTERN, "spec.storage.credentialsSecretRef.name")
+            if name
+            else None,
+            access_key_id_key=_get(
+                creds, "accessKeyIdKey", "spec.storage.credentialsSecretRef", str, DEFAULT_ACCESS_KEY_ID_KEY
+            ),
+            secret_access_key_key=_get(
+                creds,
+                "secretAccessKeyKey",
+                "spec.storage.credentialsSecretRef",
+                str,
+                DEFAULT_SECRET_ACCESS_KEY_KEY,
+            ),
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class EngineSpec:
@@ -120,6 +150,41 @@ class EngineSpec:
     kv_cache_fraction: float
     max_num_seqs: int
     dtype: str
+
+    @classmethod
+    def parse(cls, eng: dict) -> EngineSpec:
+        dtype = _get(eng, "dtype", "spec.engine", str, DEFAULT_DTYPE)
+        if dtype not in DTYPES:
+            raise SpecError("spec.engine.dtype", f"{dtype!r} is not one of {DTYPES}")
+        return cls(
+            gpu_adapter_bytes=quantity_bytes(
+                _get(eng, "gpuAdapterBytes", "spec.engine", str, DEFAULT_GPU_ADAPTER_BYTES),
+                "spec.engine.gpuAdapterBytes",
+            ),
+            host_adapter_bytes=quantity_bytes(
+                _get(eng, "hostAdapterBytes", "spec.engine", str, DEFAULT_HOST_ADAPTER_BYTES),
+                "spec.engine.hostAdapterBytes",
+            ),
+            max_rank=_bounded(
+                _get(eng, "maxRank", "spec.engine", int, DEFAULT_MAX_RANK),
+                1,
+                MAX_RANK_LIMIT,
+                "spec.engine.maxRank",
+            ),
+            kv_cache_fraction=_bounded(
+                _get(eng, "kvCacheFraction", "spec.engine", float, DEFAULT_KV_FRACTION),
+                0.05,
+                0.98,
+                "spec.engine.kvCacheFraction",
+            ),
+            max_num_seqs=_bounded(
+                _get(eng, "maxNumSeqs", "spec.engine", int, DEFAULT_MAX_NUM_SEQS),
+                1,
+                4096,
+                "spec.engine.maxNumSeqs",
+            ),
+            dtype=dtype,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,47 +219,25 @@ class BaseSpec:
         res = _get(spec, "resources", "spec", dict, {})
         cache = _get(spec, "hostCache", "spec", dict, {})
         storage = _get(spec, "storage", "spec", dict, {})
-        creds = _get(storage, "credentialsSecretRef", "spec.storage", dict, {})
         cache_type = _get(cache, "type", "spec.hostCache", str, "emptyDir")
         if cache_type not in HOST_CACHE_TYPES:
             raise SpecError("spec.hostCache.type", f"{cache_type!r} is not one of {HOST_CACHE_TYPES}")
         if cache_type == "hostPath" and not cache.get("path"):
             raise SpecError("spec.hostCache.path", "is required when type is hostPath")
-        dtype = _get(eng, "dtype", "spec.engine", str, DEFAULT_DTYPE)
-        if dtype not in DTYPES:
-            raise SpecError("spec.engine.dtype", f"{dtype!r} is not one of {DTYPES}")
         return cls(
             model_uri=_get(model, "uri", "spec.model", str, required=True),
             model_sha256=sha,
-            replicas=_bounded(_get(spec, "replicas", "spec", int, DEFAULT_REPLICAS), 0, MAX_REPLICAS, "spec.replicas"),
+            replicas=_bounded(
+                _get(spec, "replicas", "spec", int, DEFAULT_REPLICAS), 0, MAX_REPLICAS, "spec.replicas"
+            ),
             image=_get(spec, "image", "spec", str, DEFAULT_IMAGE),
-            gpus=_bounded(_get(res, "gpus", "spec.resources", int, DEFAULT_GPUS), 0, 16, "spec.resources.gpus"),
+            gpus=_bounded(
+                _get(res, "gpus", "spec.resources", int, DEFAULT_GPUS), 0, 16, "spec.resources.gpus"
+            ),
             gpu_resource=_get(res, "gpuResource", "spec.resources", str, DEFAULT_GPU_RESOURCE),
             cpu=_get(res, "cpu", "spec.resources", str),
             memory=_get(res, "memory", "spec.resources", str),
-            engine=EngineSpec(
-                gpu_adapter_bytes=quantity_bytes(
-                    _get(eng, "gpuAdapterBytes", "spec.engine", str, DEFAULT_GPU_ADAPTER_BYTES),
-                    "spec.engine.gpuAdapterBytes",
-                ),
-                host_adapter_bytes=quantity_bytes(
-                    _get(eng, "hostAdapterBytes", "spec.engine", str, DEFAULT_HOST_ADAPTER_BYTES),
-                    "spec.engine.hostAdapterBytes",
-                ),
-                max_rank=_bounded(
-                    _get(eng, "maxRank", "spec.engine", int, DEFAULT_MAX_RANK), 1, MAX_RANK_LIMIT, "spec.engine.maxRank"
-                ),
-                kv_cache_fraction=_bounded(
-                    _get(eng, "kvCacheFraction", "spec.engine", float, DEFAULT_KV_FRACTION),
-                    0.05,
-                    0.98,
-                    "spec.engine.kvCacheFraction",
-                ),
-                max_num_seqs=_bounded(
-                    _get(eng, "maxNumSeqs", "spec.engine", int, DEFAULT_MAX_NUM_SEQS), 1, 4096, "spec.engine.maxNumSeqs"
-                ),
-                dtype=dtype,
-            ),
+            engine=EngineSpec.parse(eng),
             host_cache_type=cache_type,
             host_cache_path=cache.get("path"),
             host_cache_size=_match(
@@ -202,23 +245,16 @@ class BaseSpec:
                 QUANTITY_PATTERN,
                 "spec.hostCache.sizeLimit",
             ),
-            storage=Storage(
-                endpoint=_get(storage, "endpoint", "spec.storage", str),
-                region=_get(storage, "region", "spec.storage", str),
-                credentials=_get(creds, "name", "spec.storage.credentialsSecretRef", str),
-                access_key_id_key=creds.get("accessKeyIdKey", DEFAULT_ACCESS_KEY_ID_KEY),
-                secret_access_key_key=creds.get("secretAccessKeyKey", DEFAULT_SECRET_ACCESS_KEY_KEY),
+            storage=Storage.parse(storage),
+            trusted_keys_secret=_secret_name(spec, "trust", "publicKeysSecretRef"),
+            api_keys_secret=_secret_name(spec, "auth", "apiKeysSecretRef"),
+            admin_token=SecretKeyRef.parse(
+                spec.get("adminTokenSecretRef"), "spec.adminTokenSecretRef", DEFAULT_ADMIN_TOKEN_KEY
             ),
-            trusted_keys_secret=_get(_get(spec, "trust", "spec", dict, {}).get("publicKeysSecretRef") or {}, "name",
-                                     "spec.trust.publicKeysSecretRef", str),
-            api_keys_secret=_get(_get(spec, "auth", "spec", dict, {}).get("apiKeysSecretRef") or {}, "name",
-                                 "spec.auth.apiKeysSecretRef", str),
-            admin_token=SecretKeyRef.parse(spec.get("adminTokenSecretRef"), "spec.adminTokenSecretRef",
-                                           DEFAULT_ADMIN_TOKEN_KEY),
             node_selector=_get(spec, "nodeSelector", "spec", dict, {}),
             tolerations=_get(spec, "tolerations", "spec", list, []),
             affinity=_get(spec, "affinity", "spec", dict, {}),
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True, slots=True)

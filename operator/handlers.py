@@ -145,12 +145,14 @@ async def base_daemon(stopped, body, namespace, name, memo, server_pods, logger,
         base = ctx.newest(path, copy.deepcopy(dict(body)))
         try:
             delay = await reconcile_base.reconcile(ctx, base, list(server_pods.get((namespace, name), ())))
+            ctx.failures.pop((key, "error"), None)
         except Exception as exc:  # a pass failed (API error, ...): log, back off, try again
             logger.warning(f"reconcile failed: {type(exc).__name__}: {exc}")
             delay = ctx.backoff((key, "error"), True)
         await ctx.sleep(key, delay, stopped)
 
 
+# The short initial delay lets kopf add its finalizer before our first status write (fewer conflicts).
 @kopf.daemon(GROUP, VERSION, ADAPTER_PLURAL, cancellation_timeout=10, initial_delay=0.5)
 async def adapter_daemon(stopped, body, namespace, name, memo, lorabases, server_pods, logger, **_):
     ctx, key, path = memo.ctx, (ADAPTER, namespace, name), custom_ref(ADAPTER_PLURAL, namespace, name).path()
@@ -161,6 +163,7 @@ async def adapter_daemon(stopped, body, namespace, name, memo, lorabases, server
         pods = serving_pods(server_pods.get((namespace, base_name), ()), ctx.tunables.admin_port)
         try:
             delay = await reconcile_adapter.reconcile(ctx, adapter, base, pods)
+            ctx.failures.pop((key, "error"), None)
         except Exception as exc:
             logger.warning(f"reconcile failed: {type(exc).__name__}: {exc}")
             delay = ctx.backoff((key, "error"), True)

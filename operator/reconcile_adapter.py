@@ -61,14 +61,38 @@ async def _each(ctx: Context, pods, fn) -> list:
     return await asyncio.gather(*(one(p) for p in pods))
 
 
-async def observe(ctx: Context, pods: list[PodAddress], token: str, name: str) -> list[R.PodView]:
+async def observe(
+    ctx: Context, pods: list[PodAddress], token: str, name: str, shared: bool = False
+) -> list[R.PodView]:
+    """Each pod's versions of ``name``. ``shared``: from a snapshot of the pod's whole list that every
+    adapter asking within ``poll_interval`` shares, so a drift check of N adapters costs one GET per
+    pod, not N (a pod event wakes every adapter of the base at once)."""
+
     async def look(pod: PodAddress) -> R.PodView:
         try:
+            if shared:
+                return R.PodView(pod, tuple(v for v in await _snapshot(ctx, pod, token) if v.name == name))
             return R.PodView(pod, tuple(await ctx.admin.list(pod, token, name)))
         except AdminError as exc:
             return R.PodView(pod, None, exc)
 
     return await _each(ctx, pods, look)
+
+
+async def _snapshot(ctx: Context, pod: PodAddress, token: str):
+    now = asyncio.get_running_loop().time()
+    taken = ctx.snapshots.get(pod)
+    if taken is None or now - taken[0] >= ctx.tunables.poll_interval:
+        if len(ctx.snapshots) > 4096:
+            ctx.snapshots.clear()
+        taken = ctx.snapshots[pod] = (now, asyncio.ensure_future(ctx.admin.list(pod, token)))
+    return await asyncio.shield(taken[1])
+
+
+def _touched(ctx: Context, pods) -> None:
+    """After acting on pods, their snapshots are stale."""
+    for pod in pods:
+        ctx.snapshots.pop(getattr(pod, "address", pod), None)
 
 
 async def _act(ctx: Context, pods, call) -> dict[str, AdminError]:
@@ -147,12 +171,13 @@ async def restore(ctx: Context, adapter: dict, spec: AdapterSpec, pods, token: s
     name = adapter["metadata"]["name"]
     if not (version and digest and uri and pods):
         return []
-    views = await observe(ctx, pods, token, name)
+    views = await observe(ctx, pods, token, name, shared=True)
     empty = [v for v in views if v.reachable and v.serving(name) is None]
     if not empty:
         return views
     request = LoadRequest(uri, version, digest, spec.pin, spec.warm)
     await _act(ctx, empty, lambda v: ctx.admin.load(v.address, token, name, request))
+    _touched(ctx, empty)
     return await observe(ctx, pods, token, name)
 
 
@@ -198,13 +223,15 @@ async def run_pass(
         return verdict, views
     target = R.Target(meta["name"], spec.version, verified.digest)
     request = LoadRequest(spec.uri, spec.version, verified.digest, spec.pin, spec.warm)
-    views = await observe(ctx, pods, token, target.name)
+    views = await observe(ctx, pods, token, target.name, shared=True)
     if _converged(views, target):  # the common case, a drift check that finds nothing to do
         errors, pending = {}, False
     else:
+        views = await observe(ctx, pods, token, target.name)  # act only on what the pods say now
         errors, pending, verdict.rolled_back = await converge(
             ctx, views, target, request, spec.max_unavailable, token
         )
+        _touched(ctx, pods)
         views = await observe(ctx, pods, token, target.name)
     views = [R.PodView(v.address, v.loaded, errors.get(v.name) or v.error) for v in views]
     _summarize(verdict, views, target, base_spec.replicas, errors, pending)
@@ -312,6 +339,7 @@ async def finalize(
     except (ValidationFailed, SpecError):
         return []  # the base is going away: its pods (and their adapters) with it
     errors = await _act(ctx, pods, lambda p: ctx.admin.unload(p, token, meta["name"]))
+    _touched(ctx, pods)
     failures = list(errors.values())
     ref = custom_ref(ADAPTER_PLURAL, meta["namespace"], meta["name"])
     rows = [

@@ -53,11 +53,14 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
             settled = now
         writes = {n: sum(c for (name, m, _), c in settled.items() if name == n and m != "GET") for n in names}
         reads = sum(c for (_, m, _), c in settled.items() if m == "GET")
+        pod_gets = pod.count("GET")
         time.sleep(2 * tunables.drift_interval + 1)  # two drift checks of every adapter
+        pod_gets = pod.count("GET") - pod_gets
         later = adapter_calls(world)
         new_writes = sum(later.values()) - sum(settled.values())
         print(f"\n{N} adapters Ready in {converged:.1f}s; writes/adapter max {max(writes.values())}, "
-              f"mean {sum(writes.values()) / N:.2f}; GETs {reads}; calls in the idle window {new_writes}")  # fmt: skip
+              f"mean {sum(writes.values()) / N:.2f}; GETs {reads}; calls in the idle window {new_writes}; "
+              f"pod GETs in the idle window {pod_gets} (snapshots shared by the adapters' drift checks)")  # fmt: skip
         worst = max(writes, key=writes.get)
         assert writes[worst] <= WRITES_PER_ADAPTER, {k: v for k, v in settled.items() if k[0] == worst}
         assert reads == 0, "the operator reads adapters from its watch, not per pass"
@@ -67,4 +70,4 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
         noisy = [k[0] for k in later if later[k] != settled.get(k, 0)]
         sample = world.adapter(noisy[0])["metadata"] if noisy else {}
         assert new_writes == 0, f"converged adapters must not write (hot loop): {+idle} {sample}"
-        assert pod.count("GET") >= N, "the drift checks still ran, against the pods only"
+        assert pod_gets > 0, "the drift checks still ran, against the pods only"
