@@ -115,7 +115,11 @@ def server_args(spec: BaseSpec, admin_token_key_: str, api_keys: bool) -> list[s
 
 
 def _env(spec: BaseSpec) -> list[dict]:
-    env = []
+    env = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
+        {"name": "LORAPLANE_CACHE", "value": CACHE_DIR},
+    ]
     if spec.storage.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.storage.endpoint})
     if spec.storage.region:
@@ -140,9 +144,12 @@ def _volumes(base: dict, spec: BaseSpec) -> tuple[list[dict], list[dict]]:
         cache = {"name": "host-cache", "emptyDir": {"sizeLimit": spec.host_cache_size}}
     token = {"secretName": admin_token_secret_name(base, spec), "defaultMode": 0o400}
     volumes = [cache, {"name": "admin-token", "secret": token}]
+    # The root filesystem is read-only: Triton's compile cache and other scratch files go to /tmp.
+    volumes.append({"name": "tmp", "emptyDir": {}})
     mounts = [
         {"name": "host-cache", "mountPath": CACHE_DIR},
         {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
     for name, secret, path in (
         ("trusted-keys", spec.trusted_keys_secret, TRUSTED_KEYS_DIR),
@@ -191,9 +198,21 @@ def build_pod_template(base: dict, spec: BaseSpec) -> dict:
         "livenessProbe": _probe("/health/live", 10, 6),
         # Loading a large base takes minutes; liveness must not kill a pod that is still loading.
         "startupProbe": _probe("/health/live", 10, 90),
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
     }
     pod_spec = {
+        # The server image's user (docker/server.Dockerfile); fsGroup makes the cache volume writable.
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 10001,
+            "runAsGroup": 10001,
+            "fsGroup": 10001,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
         "automountServiceAccountToken": False,  # the server never calls the Kubernetes API

@@ -21,7 +21,7 @@ DIGEST_PATTERN = r"^sha256:[a-f0-9]{64}$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
 QUANTITY_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti|K|M|G|T)?$"
 
-DEFAULT_IMAGE = "ghcr.io/loraplane/loraplane:0.1.0"
+DEFAULT_IMAGE = "ghcr.io/loraplane/loraplane-server:0.1.0"
 DEFAULT_REPLICAS = 1
 MAX_REPLICAS = 256
 DEFAULT_GPUS = 1

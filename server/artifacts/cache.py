@@ -14,32 +14,31 @@ Concurrency: a pull takes the adapter's lock, then each missing blob's lock, so 
 adapter (threads or processes) download each file once and the others wait. Budget: blob bytes; before a
 download, least recently used adapters that are neither pinned nor in use are evicted (a blob goes when no
 adapter links it any more). Pulls of different adapters running at once can overshoot by their in-flight size.
+
+Split: blobstore.py holds the storage layer (layout, blobs, locks, pins, in-use marks); this module adds
+pulls, the verification of cached folders and LRU eviction.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import os
 import shutil
-import threading
-import time
 import uuid
-from collections import Counter
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager, suppress
+from collections.abc import Mapping
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
 from loraplane.server.artifacts import errors as E
 from loraplane.server.artifacts import s3 as S3
-from loraplane.server.artifacts.fsutil import SyncedFile, flock, fsync_dir, write_atomic
+from loraplane.server.artifacts.blobstore import BlobStore
+from loraplane.server.artifacts.fsutil import flock, fsync_dir, write_atomic
 from loraplane.server.artifacts.manifest import (
     MANIFEST_FILE,
     SIGNATURE_FILE,
     WEIGHTS_FILE,
-    FileEntry,
     Manifest,
 )
 from loraplane.server.artifacts.peft import inspect_weights
@@ -86,7 +85,7 @@ class LocalAdapter:
         return self.path / "adapter_config.json"
 
 
-class HostCache:
+class HostCache(BlobStore):
     def __init__(
         self,
         root: str | Path,
@@ -99,40 +98,9 @@ class HostCache:
     ):
         if budget_bytes <= 0:
             raise ValueError("HostCache.budget_bytes must be positive")
-        self.root = Path(root)
         self.budget_bytes = budget_bytes
         self.max_file_bytes = max_file_bytes
-        self.verify_on_hit = verify_on_hit  # re-hash files on every hit (corruption is evicted and refetched)
-        self.retry = retry or S3.RetryPolicy()
-        self._client = s3_client
-        self._mutex = threading.Lock()
-        self._in_use: Counter[str] = Counter()
-        self._use_fds: dict[str, int] = {}
-        self.counters: Counter[str] = Counter()
-        for sub in ("blobs", "adapters", "tmp", "locks", "pins"):
-            (self.root / sub).mkdir(parents=True, exist_ok=True)
-        self._sweep_tmp()
-
-    # --- paths ---------------------------------------------------------------------------------------
-
-    @property
-    def client(self):
-        if self._client is None:
-            self._client = S3.make_client()
-        return self._client
-
-    def _blob(self, sha256: str) -> Path:
-        return self.root / "blobs" / sha256
-
-    def _folder(self, hex_: str) -> Path:
-        return self.root / "adapters" / hex_
-
-    def _lock(self, kind: str, hex_: str) -> Path:
-        return self.root / "locks" / f"{kind}-{hex_}.lock"
-
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._mutex:
-            self.counters[key] += n
+        super().__init__(root, s3_client, retry=retry, verify_on_hit=verify_on_hit)
 
     # --- pull ----------------------------------------------------------------------------------------
 
@@ -227,41 +195,6 @@ class HostCache:
             if rehash and sha256_file(path) != entry.sha256:
                 raise E.ArtifactError(E.FILE_HASH_MISMATCH, "cached content differs", name)
 
-    def _missing_bytes(self, manifest: Manifest) -> int:
-        return sum(e.size for e in manifest.files.values() if not self._blob(e.sha256).is_file())
-
-    def _ensure_blob(self, bucket: str, key: str, entry: FileEntry) -> Path:
-        """The verified blob for ``entry``: downloaded once, however many pullers ask at the same time."""
-        blob = self._blob(entry.sha256)
-        with flock(self._lock("blob", entry.sha256)):
-            if blob.is_file():
-                if blob.stat().st_size == entry.size and (
-                    not self.verify_on_hit or sha256_file(blob) == entry.sha256
-                ):
-                    return blob
-                self._count("corrupt_evictions")
-                blob.unlink()
-            tmp = self.root / "tmp" / f"{entry.sha256}.{os.getpid()}.{threading.get_ident()}.part"
-            try:
-                S3.stream_verified(
-                    self.client,
-                    bucket,
-                    key,
-                    sha256=entry.sha256,
-                    size=entry.size,
-                    open_sink=lambda: SyncedFile(tmp),
-                    retry=self.retry,
-                )
-                os.chmod(tmp, 0o444)
-                os.replace(tmp, blob)
-                fsync_dir(blob.parent)
-            finally:
-                with suppress(FileNotFoundError):
-                    tmp.unlink()
-            self._count("downloads")
-            self._count("bytes_downloaded", entry.size)
-            return blob
-
     def _assemble(
         self, hex_: str, verified: VerifiedManifest, bucket: str, prefix: str, policy: Policy
     ) -> None:
@@ -315,9 +248,6 @@ class HostCache:
             )
 
     # --- budget and eviction -------------------------------------------------------------------------
-
-    def used_bytes(self) -> int:
-        return sum(e.stat().st_size for e in os.scandir(self.root / "blobs") if e.is_file())
 
     def _make_room(self, need: int, keep: str) -> None:
         if need > self.budget_bytes:
@@ -376,61 +306,10 @@ class HostCache:
                 if st.st_ino in corrupt_blobs or st.st_nlink == 1:
                     os.unlink(blob.path)
 
-    def _drop_orphan_blobs(self) -> None:
-        """Blobs that no adapter links (a failed assembly) and nobody is writing."""
-        for blob in os.scandir(self.root / "blobs"):
-            with suppress(FileNotFoundError), flock(self._lock("blob", blob.name), blocking=False) as free:
-                if free and blob.stat().st_nlink == 1 and time.time() - blob.stat().st_mtime > 60:
-                    os.unlink(blob.path)
-
     def evict(self, digest: str) -> bool:
         """Evict one adapter now unless it is pinned or in use."""
         with flock(self.root / "locks" / "cache.lock"):
             return self._evict_if_idle(digest.removeprefix("sha256:"))
-
-    # --- pins and in-use -----------------------------------------------------------------------------
-
-    def pin(self, digest: str) -> None:
-        (self.root / "pins" / digest.removeprefix("sha256:")).touch()
-
-    def unpin(self, digest: str) -> None:
-        with suppress(FileNotFoundError):
-            (self.root / "pins" / digest.removeprefix("sha256:")).unlink()
-
-    def is_pinned(self, digest: str) -> bool:
-        return (self.root / "pins" / digest.removeprefix("sha256:")).exists()
-
-    def acquire(self, digest: str) -> bool:
-        """Mark an adapter in use (not evictable, also for other processes). False if it is not cached."""
-        hex_ = digest.removeprefix("sha256:")
-        with self._mutex:
-            if self._in_use[digest] == 0:
-                fd = os.open(self._lock("use", hex_), os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_SH)
-                if not self._folder(hex_).is_dir():
-                    os.close(fd)
-                    return False
-                self._use_fds[digest] = fd
-            self._in_use[digest] += 1
-            return True
-
-    def release(self, digest: str) -> None:
-        with self._mutex:
-            if self._in_use[digest] <= 0:
-                raise ValueError(f"release({digest}) without acquire")
-            self._in_use[digest] -= 1
-            if self._in_use[digest] == 0:
-                del self._in_use[digest]
-                os.close(self._use_fds.pop(digest))
-
-    @contextmanager
-    def in_use(self, digest: str) -> Iterator[None]:
-        if not self.acquire(digest):
-            raise E.ArtifactError(E.NOT_FOUND, f"{digest} is not in the cache", "cache")
-        try:
-            yield
-        finally:
-            self.release(digest)
 
     # --- introspection -------------------------------------------------------------------------------
 
@@ -471,11 +350,3 @@ class HostCache:
                 for k in ("hits", "misses", "downloads", "bytes_downloaded", "evictions", "corrupt_evictions")
             },
         }
-
-    def _sweep_tmp(self) -> None:
-        """Leftovers of crashed pulls (older than an hour, so live writers of other processes are safe)."""
-        cutoff = time.time() - 3600
-        for entry in os.scandir(self.root / "tmp"):
-            with suppress(FileNotFoundError):
-                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                    shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)

@@ -76,8 +76,23 @@ def _core(plural: str, kind: str, namespaced: bool = True, short: tuple[str, ...
     return ResourceType("", ["v1"], plural, kind, namespaced, short_names=list(short), **kw)
 
 
+def _scalable_workload(plural: str, kind: str, short: str) -> ResourceType:
+    """An apps/v1 workload with a status and a scale subresource (selector at .spec.selector)."""
+    return ResourceType(
+        "apps",
+        ["v1"],
+        plural,
+        kind,
+        True,
+        short_names=[short],
+        categories=["all"],
+        status_subresource=True,
+        scale=ScaleSpec(label_selector_path=".spec.selector"),
+    )
+
+
 def builtin_types() -> list[ResourceType]:
-    apps, rbac = "apps", "rbac.authorization.k8s.io"
+    rbac = "rbac.authorization.k8s.io"
     return [
         _core("namespaces", "Namespace", namespaced=False, short=("ns",), status_subresource=True),
         _core("pods", "Pod", short=("po",), status_subresource=True, categories=["all"]),
@@ -89,39 +104,9 @@ def builtin_types() -> list[ResourceType]:
         _core("endpoints", "Endpoints", short=("ep",)),
         _core("persistentvolumeclaims", "PersistentVolumeClaim", short=("pvc",), status_subresource=True),
         _core("nodes", "Node", namespaced=False, short=("no",), status_subresource=True),
-        ResourceType(
-            apps,
-            ["v1"],
-            "deployments",
-            "Deployment",
-            True,
-            short_names=["deploy"],
-            categories=["all"],
-            status_subresource=True,
-            scale=ScaleSpec(label_selector_path=".spec.selector"),
-        ),
-        ResourceType(
-            apps,
-            ["v1"],
-            "replicasets",
-            "ReplicaSet",
-            True,
-            short_names=["rs"],
-            categories=["all"],
-            status_subresource=True,
-            scale=ScaleSpec(label_selector_path=".spec.selector"),
-        ),
-        ResourceType(
-            apps,
-            ["v1"],
-            "statefulsets",
-            "StatefulSet",
-            True,
-            short_names=["sts"],
-            categories=["all"],
-            status_subresource=True,
-            scale=ScaleSpec(label_selector_path=".spec.selector"),
-        ),
+        _scalable_workload("deployments", "Deployment", "deploy"),
+        _scalable_workload("replicasets", "ReplicaSet", "rs"),
+        _scalable_workload("statefulsets", "StatefulSet", "sts"),
         ResourceType(
             "apiextensions.k8s.io",
             ["v1"],
