@@ -106,6 +106,10 @@ class AsyncEngine:
                     self._streams.pop(request_id, None)
                 self.abort(request_id)
 
+    def is_alive(self) -> bool:
+        """True while the loop thread runs and has neither failed nor been closed (readiness probes)."""
+        return self._error is None and not self._closed and self._thread.is_alive()
+
     def _raise_if_dead(self) -> None:
         if self._error is not None:
             raise EngineDeadError(f"engine loop failed: {self._error!r}") from self._error

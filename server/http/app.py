@@ -107,15 +107,6 @@ class BodySizeLimit:
         await error.response()(scope, receive, send)
 
 
-def engine_alive(engine: AsyncEngine) -> bool:
-    """True while the engine loop thread runs and has not failed."""
-    is_alive = getattr(engine, "is_alive", None)
-    if callable(is_alive):
-        return bool(is_alive())
-    # AsyncEngine has no public liveness check yet (asked of its owner); read its loop state directly.
-    return engine._error is None and not engine._closed and engine._thread.is_alive()
-
-
 def create_app(
     engine: AsyncEngine,
     tokenizer,
@@ -155,6 +146,6 @@ def _add_health_routes(app: FastAPI) -> None:
 
     @app.get("/health/ready")
     async def ready(request: Request) -> JSONResponse:
-        if engine_alive(server_state(request).engine):
+        if server_state(request).engine.is_alive():
             return JSONResponse({"status": "ready"})
         return JSONResponse({"status": "engine stopped"}, status_code=503)
