@@ -1,73 +1,25 @@
 """``loraplane serve``: the OpenAI-compatible server on one model folder (uvicorn + FastAPI + AsyncEngine).
 
+An ``s3://`` model is fetched into the host cache first (model_fetch). With ``--admin-port`` a second
+uvicorn server in the same event loop serves the admin API (server/http/admin.py) over the same engine.
+
 transformers (for the tokenizer), FastAPI and uvicorn are imported here, lazily, never by the engine.
 """
 
 from __future__ import annotations
 
-import argparse
+import asyncio
+import dataclasses
 import ipaddress
 import logging
 import sys
-from dataclasses import dataclass
-from pathlib import Path
+
+from .model_fetch import fetch_model, is_s3_uri
+from .serve_options import ServeOptions, add_server_arguments, build_parser, options_from_args
+
+__all__ = ["ServeOptions", "add_server_arguments", "build_parser", "options_from_args", "main", "run"]
 
 log = logging.getLogger("loraplane.serve")
-
-
-@dataclass(slots=True)
-class ServeOptions:
-    model: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 256
-    max_model_len: int | None = None
-    num_kv_blocks: int | None = None  # default: sized from free memory
-    model_sha256: str | None = None  # the pinned base hash: refuse to serve other weights
-    api_keys_file: str | None = None
-    served_model_name: str | None = None
-    log_level: str = "info"
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.port <= 65535):
-            raise ValueError(f"port: must be in [0, 65535], got {self.port}")
-        if not Path(self.model, "config.json").is_file():
-            raise ValueError(f"model: {self.model} is not a model folder (no config.json)")
-        if self.model_sha256 is not None:
-            self.model_sha256 = self.model_sha256.removeprefix("sha256:").lower()
-            if len(self.model_sha256) != 64 or any(c not in "0123456789abcdef" for c in self.model_sha256):
-                raise ValueError("model_sha256: must be 64 hex digits (as `loraplane model hash` prints)")
-
-    @property
-    def model_name(self) -> str:
-        return self.served_model_name or Path(self.model).resolve().name
-
-
-def build_parser(prog: str = "loraplane serve") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Serve a model folder over the OpenAI API.")
-    parser.add_argument(
-        "--model", required=True, help="HF model folder (config.json, safetensors, tokenizer)"
-    )
-    add_server_arguments(parser)
-    parser.add_argument("--served-model-name", help="the name clients put in `model` (default: folder name)")
-    parser.add_argument("--model-sha256", help="pinned base hash; refuse to start on other weights")
-    return parser
-
-
-def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV cache blocks (default: from memory)"
-    )
-    parser.add_argument("--api-keys-file", help="file with one API key per line; without it, no auth")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def load_tokenizer(model_dir: str):
@@ -88,13 +40,25 @@ def build_engine(options: ServeOptions, tokenizer):
         max_model_len=options.max_model_len,
         num_kv_blocks=options.num_kv_blocks,
     )
+    if options.kv_cache_fraction is not None:
+        config = dataclasses.replace(config, gpu_memory_utilization=options.kv_cache_fraction)
     return AsyncEngine.from_config(config, tokenizer)
+
+
+def resolve_model(options: ServeOptions) -> ServeOptions:
+    """The options on a local folder: an s3:// model is fetched (verified) into the host cache first."""
+    if not is_s3_uri(options.model):
+        return options
+    local = fetch_model(options.model, options.model_sha256, options.host_cache_dir)
+    return dataclasses.replace(options, model=str(local), served_model_name=options.model_name)
 
 
 def build_app(options: ServeOptions):
     """(app, engine): the caller runs the app and closes the engine."""
     from loraplane.server.http.app import create_app
     from loraplane.server.http.auth import ApiKeys
+
+    options = resolve_model(options)
 
     api_keys = ApiKeys.from_file(options.api_keys_file) if options.api_keys_file else None
     tokenizer = load_tokenizer(options.model)
@@ -125,38 +89,49 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def build_admin_app(app, token: str):
+    from loraplane.server.http.admin import create_admin_app
+
+    return create_admin_app(app.state.server, token)
+
+
+async def serve_all(servers) -> None:
+    """Serve uvicorn servers in one event loop; when one stops (a signal, a failure), stop the others."""
+    tasks = [asyncio.create_task(server.serve()) for server in servers]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for server in servers:
+            server.should_exit = True
+        await asyncio.gather(*tasks)
+
+
 def run(options: ServeOptions, on_ready=None) -> int:
     """Build, call ``on_ready(app)`` (a banner, say), serve until interrupted, close the engine."""
     import uvicorn
 
+    from loraplane.server.http.admin import read_admin_token
+
     logging.basicConfig(
         level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    token = read_admin_token(options.admin_token_file) if options.admin_token_file else None  # fail fast
     app, engine = build_app(options)
     try:
+        servers = [uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
+                                                 log_level=options.log_level))]  # fmt: skip
+        if token is not None:
+            admin = build_admin_app(app, token)
+            config = uvicorn.Config(
+                admin, host=options.host, port=options.admin_port, log_level=options.log_level
+            )
+            servers.append(uvicorn.Server(config))
         if on_ready is not None:
             on_ready(app)
-        uvicorn.run(app, host=options.host, port=options.port, log_level=options.log_level)
+        asyncio.run(serve_all(servers))
     finally:
         engine.close()
     return 0
-
-
-def options_from_args(args: argparse.Namespace, model: str, served_model_name: str | None) -> ServeOptions:
-    return ServeOptions(
-        model=model,
-        host=args.host,
-        port=args.port,
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        num_kv_blocks=args.num_kv_blocks,
-        api_keys_file=args.api_keys_file,
-        served_model_name=served_model_name,
-        log_level=args.log_level,
-        model_sha256=getattr(args, "model_sha256", None),
-    )
 
 
 def main(argv: list[str]) -> int:

@@ -54,6 +54,11 @@ def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+def base_hash_of(state: ServerState) -> str | None:
+    """The loaded weights' base hash (what the operator compares across pods)."""
+    return getattr(state.engine.engine.runner, "base_hash", None)
+
+
 def require_api_key(request: Request) -> Principal | None:
     keys = server_state(request).api_keys
     if keys is None:
@@ -146,6 +151,8 @@ def _add_health_routes(app: FastAPI) -> None:
 
     @app.get("/health/ready")
     async def ready(request: Request) -> JSONResponse:
-        if server_state(request).engine.is_alive():
-            return JSONResponse({"status": "ready"})
-        return JSONResponse({"status": "engine stopped"}, status_code=503)
+        state = server_state(request)
+        body = {"base_hash": base_hash_of(state), "model": state.models.base_name}
+        if state.engine.is_alive():
+            return JSONResponse({"status": "ready", **body})
+        return JSONResponse({"status": "engine stopped", **body}, status_code=503)
