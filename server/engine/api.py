@@ -1,0 +1,79 @@
+"""The engine's public types: what the HTTP side may know of the engine (torch-free).
+
+The HTTP layer sees the engine through ``AsyncEngine`` and these types only, never its internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    base_hash: str  # sha256 over the base weights (the artifacts module's definition), or "in-memory"
+    max_model_len: int
+    vocab_size: int
+    max_lora_rank: int  # the largest adapter rank the engine accepts
+    target_modules: tuple[str, ...]  # PEFT module names an adapter may target
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    name: str
+    version: str
+    digest: str  # the manifest digest: the version's identity
+    state: str  # "loaded" (usable) | "warm" (a real forward ran through it) | "failed"
+    tier: str  # where its weights are now: "gpu" | "host" | "disk"
+    pinned: bool
+    serving: bool  # the alias ``name`` routes to this version
+    bytes: int  # weight bytes as held
+    rank: int  # the largest rank over its modules
+    in_flight: int  # admitted or queued requests using it
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per phase ("load", "warm", ...)
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        return adapter_key(self.name, self.version)
+
+
+def adapter_key(name: str, version: str) -> str:
+    """The engine's identity of one adapter version: ``name@version``."""
+    return f"{name}@{version}"
+
+
+class AdapterError(ValueError):
+    """An adapter refused or unusable; ``reason`` is CamelCase (copied into the operator's conditions).
+
+    Reasons: BaseMismatch, RankTooHigh, UnknownModule, NonFiniteWeights, UnsupportedAdapter, ShapeMismatch,
+    BadAdapterFile, AdapterNotFound, AdapterConflict, AdapterInUse, WarmFailed. The message names the field,
+    file or tensor.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class OverloadedError(RuntimeError):
+    """Early abort under overload: the request cannot meet its deadline. HTTP answers 429 + Retry-After."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class StepStats:
+    """Handed to step listeners after every engine step, on the engine thread."""
+
+    num_tokens: int
+    num_seqs: int
+    num_adapters: int  # distinct adapters in the step
+    kv_blocks_used: int
+    kv_blocks_total: int
+    adapter_bytes_gpu: int
+    adapter_bytes_budget: int
