@@ -15,6 +15,7 @@ Launch shapes (``LaunchConfig``, ``pick_config``) live in launch_config.py and a
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import triton
@@ -32,6 +33,15 @@ def _rows(page_table_ptr, slot, j, mask, PAGE: tl.constexpr, MAX_PAGES: tl.const
     """Physical row (int64) of rank-rows ``j`` of ``slot``."""
     page = tl.load(page_table_ptr + slot * MAX_PAGES + j // PAGE, mask=mask, other=0)
     return page.to(tl.int64) * PAGE + j % PAGE
+
+
+@triton.jit
+def _aligned(stride, ALIGN: tl.constexpr):
+    """``stride`` itself, written so that the compiler knows it is a multiple of ALIGN (the launcher
+    checked). Triton only knows strides divisible by 16; a row of 3784 bf16 is still 16-byte aligned."""
+    if ALIGN > 1:
+        stride = (stride // ALIGN) * ALIGN
+    return stride
 
 
 @triton.jit
@@ -68,10 +78,13 @@ def _shrink_kernel(
     tiles_ptr, tile_bound, order_ptr, page_table_ptr, ranks_ptr, K,
     NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, SMALL_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    K_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr, X_ALIGN: tl.constexpr, A_ALIGN: tl.constexpr,
 ):  # fmt: skip
     # program (g, k): tiles g, g+G, ...; K range [k*K_PER_SPLIT, (k+1)*K_PER_SPLIT) -> v plane k.
     # Tiles of rank <= SMALL_R take a narrow copy of the loop: work follows each tile's own rank.
+    stride_xt = _aligned(stride_xt, X_ALIGN)
+    stride_as = _aligned(stride_as, A_ALIGN)
+    stride_ar = _aligned(stride_ar, A_ALIGN)
     pid_g = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_g = tl.num_programs(0)
@@ -172,6 +185,7 @@ def _expand_kernel(
     NUM_SLICES: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, SMALL_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     N_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr, PRECISION: tl.constexpr,
+    Y_ALIGN: tl.constexpr, B_ALIGN: tl.constexpr,
     RAGGED: tl.constexpr, CB1: tl.constexpr, CB2: tl.constexpr, CB3: tl.constexpr,
     OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
     END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, END3: tl.constexpr,
@@ -182,6 +196,8 @@ def _expand_kernel(
     # (slice geometry is compile-time: see _slice_geometry). v is loaded (or, FUSED, computed from x and
     # A: no shrink launch) once per tile and rank chunk, then the column loop streams B^T and y,
     # pipelined by the compiler. Tiles of rank <= SMALL_R use narrow tiles.
+    stride_yt = _aligned(stride_yt, Y_ALIGN)
+    stride_br = _aligned(stride_br, B_ALIGN)
     pid_g = tl.program_id(0)
     pid_c = tl.program_id(1)
     num_g = tl.num_programs(0)
@@ -243,6 +259,14 @@ def _slice_geometry(out_dims: tuple[int, ...], slice_starts: tuple[int, ...], n_
     return begin, geo
 
 
+def _align_hint(stride: int) -> int:
+    """Power of two (at most 8) a row stride is a multiple of, for ``_aligned``; 1 (no hint) when Triton
+    already knows it (multiples of 16) or nothing helps, so aligned modules compile exactly as before."""
+    if stride % 16 == 0:
+        return 1
+    return min(8, stride & -stride) if stride else 1
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -280,7 +304,9 @@ def shrink_triton(
         meta.tiles, bound, meta.token_order, page_table, ranks, k_dim,
         NUM_SLICES=num_slices, SLICES_P2=pow2_at_least(num_slices, 1), PAGE=page_rank,
         MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.shrink_block_r), BLOCK_R=cfg.shrink_block_r, BLOCK_K=cfg.block_k,
-        K_PER_SPLIT=k_per, PRECISION=_precision(x.dtype), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        K_PER_SPLIT=k_per, PRECISION=_precision(x.dtype), X_ALIGN=_align_hint(x.stride(0)),
+        A_ALIGN=_align_hint(math.gcd(a.stride(0), a.stride(1))),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return v
 
@@ -335,6 +361,7 @@ def expand_triton(
         NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
         BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.block_r), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, N_CHUNK=cfg.n_chunk,
         BLOCK_K=cfg.block_k, FUSED=cfg.fused, PRECISION=_precision(y.dtype), **geo,
+        Y_ALIGN=_align_hint(y.stride(0)), B_ALIGN=_align_hint(bt.stride(0)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y

@@ -33,6 +33,7 @@ RAGGED = [
     ("w3784", ModuleSpec(4096, (3784,)), ModuleSpec(4096, (3840,))),
     ("w2049@3", ModuleSpec(2049, (2049,), slice_starts=(3,), y_width=2056), ModuleSpec(2048, (2048,))),
     ("qkv/2004", ModuleSpec(4096, (2004, 501, 501)), ModuleSpec(4096, (2048, 512, 512))),
+    ("in3784", ModuleSpec(3784, (4096,)), ModuleSpec(3840, (4096,))),
 ]
 RAGGED_CASES = [("decode", 64, 64), ("prefill", 8192, 16)]
 COLUMNS = [

@@ -23,12 +23,12 @@ needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="CPU Triton needs T
 RANKS = (1, 2, 4, 8, 16, 32, 64, 128, 3, 37, 127)
 WIDTHS = (1, 2, 8, 15, 17, 107, 216, 2049)
 GPU_WIDTHS = (*WIDTHS, 2004, 3784)
-IN_DIMS = (13, 64, 107, 33)  # ragged and aligned K, cycled over the widths
+IN_DIMS = (13, 216, 107, 40)  # ragged K (odd, and multiples of 8 but not 16), cycled over the widths
 
 
 def one_slice(width: int, start: int) -> ModuleSpec:
     """A single slice at column ``start`` of a y with a few columns past its end."""
-    in_dim = IN_DIMS[WIDTHS.index(width) % len(IN_DIMS)] if width in WIDTHS else 4096
+    in_dim = IN_DIMS[WIDTHS.index(width) % len(IN_DIMS)] if width in WIDTHS else width
     return ModuleSpec(in_dim, (width,), slice_starts=(start,), y_width=start + width + 5)
 
 
