@@ -79,12 +79,14 @@ def _shrink_kernel(
     NUM_SLICES: tl.constexpr, SLICES_P2: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, SMALL_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, PRECISION: tl.constexpr, X_ALIGN: tl.constexpr, A_ALIGN: tl.constexpr,
+    K_ALIGN: tl.constexpr,
 ):  # fmt: skip
     # program (g, k): tiles g, g+G, ...; K range [k*K_PER_SPLIT, (k+1)*K_PER_SPLIT) -> v plane k.
     # Tiles of rank <= SMALL_R take a narrow copy of the loop: work follows each tile's own rank.
     stride_xt = _aligned(stride_xt, X_ALIGN)
     stride_as = _aligned(stride_as, A_ALIGN)
     stride_ar = _aligned(stride_ar, A_ALIGN)
+    K = _aligned(K, K_ALIGN)  # the K mask's constancy: masked loads stay vectorized
     pid_g = tl.program_id(0)
     pid_k = tl.program_id(1)
     num_g = tl.num_programs(0)
@@ -305,7 +307,7 @@ def shrink_triton(
         NUM_SLICES=num_slices, SLICES_P2=pow2_at_least(num_slices, 1), PAGE=page_rank,
         MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.shrink_block_r), BLOCK_R=cfg.shrink_block_r, BLOCK_K=cfg.block_k,
         K_PER_SPLIT=k_per, PRECISION=_precision(x.dtype), X_ALIGN=_align_hint(x.stride(0)),
-        A_ALIGN=_align_hint(math.gcd(a.stride(0), a.stride(1))),
+        A_ALIGN=_align_hint(math.gcd(a.stride(0), a.stride(1))), K_ALIGN=_align_hint(k_dim),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return v
