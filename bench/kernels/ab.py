@@ -204,7 +204,7 @@ def ragged_rows(main: dict, bw: float, warm_only: bool) -> list[dict]:
             times = _timed(fns, main["_graphed"], warm_only)
             (a, na), (al, nal) = _row(times, "after"), _row(times, "aligned")
             row = dict(
-                shape=f"{name} vs {near.out_dims}", rank="r16", phase=phase, T=T, n=n, before_us=None,
+                shape=f"{name} vs {near.in_dim}->{near.out_dims}", rank="r16", phase=phase, T=T, n=n, before_us=None,
                 after_us=a, aligned_us=al, **{"after/before": None}, noise=max(na, nal),
                 floor_us=floors["after"], aligned_floor_us=floors["aligned"], same_out=None, times=times,
             )  # fmt: skip
