@@ -12,7 +12,7 @@ import torch
 
 from .metadata import LoRABatchMeta
 
-__all__ = ["LaunchConfig", "pick_config"]
+__all__ = ["LaunchConfig", "align_hint", "pick_config", "slice_geometry"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,3 +124,32 @@ def _gcd(a: int, b: int) -> int:
     while b:
         a, b = b, a % b
     return a
+
+
+def slice_geometry(out_dims: tuple[int, ...], slice_starts: tuple[int, ...], n_chunk: int):
+    """Compile-time slice table of the expand kernel: (number of column chunks, constexpr kwargs).
+
+    Slice s owns ceil(width_s / n_chunk) chunks; packed B^T columns start at P_s = sum of earlier widths,
+    y columns at slice_starts[s]. RAGGED is set when some width is not a multiple of n_chunk (masked
+    column tiles); unused entries repeat slice 0 so they fold away."""
+    geo, begin, packed = {}, 0, 0
+    for i, (w, y0) in enumerate(zip(out_dims, slice_starts, strict=True)):
+        if i:
+            geo[f"CB{i}"] = begin
+        geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = packed - begin * n_chunk, packed + w, y0 - packed
+        begin += -(-w // n_chunk)
+        packed += w
+    for i in range(len(out_dims), 4):
+        geo[f"CB{i}"] = begin
+        geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = geo["OFF0"], geo["END0"], geo["DY0"]
+    geo["RAGGED"] = any(w % n_chunk for w in out_dims)
+    return begin, geo
+
+
+def align_hint(stride: int) -> int:
+    """Power of two (at most 8) that a row stride is a multiple of, for the kernels' ``_aligned``; 1 (no
+    hint) when Triton already knows it (multiples of 16) or nothing helps, so aligned modules compile
+    exactly as before."""
+    if stride % 16 == 0:
+        return 1
+    return min(8, stride & -stride) if stride else 1

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 from triton.runtime.errors import OutOfResources
 
-from .launch_config import LaunchConfig, pick_config, pow2_at_least
+from .launch_config import LaunchConfig, align_hint, pick_config, pow2_at_least, slice_geometry
 from .metadata import LoRABatchMeta
 
 __all__ = ["LaunchConfig", "expand_triton", "lora_apply_triton", "pick_config", "shrink_triton"]
@@ -195,7 +195,7 @@ def _expand_kernel(
 ):  # fmt: skip
     # program (g, c): tiles g, g+G, ...; column chunk c of one slice. Slice s owns chunks [CB_s, CB_s+1);
     # chunk c covers packed B^T columns c*N_CHUNK + OFF_s onwards, up to END_s, and y columns DY_s further
-    # (slice geometry is compile-time: see _slice_geometry). v is loaded (or, FUSED, computed from x and
+    # (slice geometry is compile-time: see launch_config.slice_geometry). v is loaded (or, FUSED, computed from x and
     # A: no shrink launch) once per tile and rank chunk, then the column loop streams B^T and y,
     # pipelined by the compiler. Tiles of rank <= SMALL_R use narrow tiles.
     stride_yt = _aligned(stride_yt, Y_ALIGN)
@@ -241,34 +241,6 @@ def _expand_kernel(
                 )  # fmt: skip
 
 
-def _slice_geometry(out_dims: tuple[int, ...], slice_starts: tuple[int, ...], n_chunk: int):
-    """Compile-time slice table of the expand kernel: (number of column chunks, constexpr kwargs).
-
-    Slice s owns ceil(width_s / n_chunk) chunks; packed B^T columns start at P_s = sum of earlier widths,
-    y columns at slice_starts[s]. RAGGED is set when some width is not a multiple of n_chunk (masked
-    column tiles); unused entries repeat slice 0 so they fold away."""
-    geo, begin, packed = {}, 0, 0
-    for i, (w, y0) in enumerate(zip(out_dims, slice_starts, strict=True)):
-        if i:
-            geo[f"CB{i}"] = begin
-        geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = packed - begin * n_chunk, packed + w, y0 - packed
-        begin += -(-w // n_chunk)
-        packed += w
-    for i in range(len(out_dims), 4):
-        geo[f"CB{i}"] = begin
-        geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = geo["OFF0"], geo["END0"], geo["DY0"]
-    geo["RAGGED"] = any(w % n_chunk for w in out_dims)
-    return begin, geo
-
-
-def _align_hint(stride: int) -> int:
-    """Power of two (at most 8) a row stride is a multiple of, for ``_aligned``; 1 (no hint) when Triton
-    already knows it (multiples of 16) or nothing helps, so aligned modules compile exactly as before."""
-    if stride % 16 == 0:
-        return 1
-    return min(8, stride & -stride) if stride else 1
-
-
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -306,8 +278,8 @@ def shrink_triton(
         meta.tiles, bound, meta.token_order, page_table, ranks, k_dim,
         NUM_SLICES=num_slices, SLICES_P2=pow2_at_least(num_slices, 1), PAGE=page_rank,
         MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.shrink_block_r), BLOCK_R=cfg.shrink_block_r, BLOCK_K=cfg.block_k,
-        K_PER_SPLIT=k_per, PRECISION=_precision(x.dtype), X_ALIGN=_align_hint(x.stride(0)),
-        A_ALIGN=_align_hint(math.gcd(a.stride(0), a.stride(1))), K_ALIGN=_align_hint(k_dim),
+        K_PER_SPLIT=k_per, PRECISION=_precision(x.dtype), X_ALIGN=align_hint(x.stride(0)),
+        A_ALIGN=align_hint(math.gcd(a.stride(0), a.stride(1))), K_ALIGN=align_hint(k_dim),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return v
@@ -347,7 +319,7 @@ def expand_triton(
     bound = meta.capacity if meta.capture else meta.host_num_tiles
     if not meta.capture and bound == 0:
         return y
-    chunks, geo = _slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.n_chunk)
+    chunks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.n_chunk)
     g = max(1, min(bound, cfg.expand_programs // chunks))
     if cfg.fused:
         v_args = (y, 0, 0, 0)
@@ -363,7 +335,7 @@ def expand_triton(
         NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
         BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.block_r), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, N_CHUNK=cfg.n_chunk,
         BLOCK_K=cfg.block_k, FUSED=cfg.fused, PRECISION=_precision(y.dtype), **geo,
-        Y_ALIGN=_align_hint(y.stride(0)), B_ALIGN=_align_hint(bt.stride(0)),
+        Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
