@@ -5,10 +5,11 @@ partials go to separate planes, summed by expand, so no atomics), and expand add
 Both grids are sized to useful work: dim 0 strides over the step's tiles (up to the capacity under a
 CUDA graph; tiles past the step's last have count 0 and are skipped), never over pool slots, so idle
 resident adapters cost nothing and rows without an adapter are in no tile.
+Every rank loop runs to the tile's own rank, in chunks of BLOCK_R rows gathered through the page table,
+so a rank-8 adapter moves an eighth of a rank-64 one.
 Any in_dim, any slice width and any slice start in y: K tiles are masked in shrink; expand's slice
 geometry is compile-time, and only modules whose widths some column chunk does not divide compile the
-masked (RAGGED) column loop, so aligned modules run the unmasked loop with provably aligned columns. Every rank loop runs to the tile's own rank, in chunks of BLOCK_R rows gathered through
-the page table, so a rank-8 adapter moves an eighth of a rank-64 one.
+masked (RAGGED) column loop, so aligned modules run the unmasked loop with provably aligned columns.
 Launch shapes (``LaunchConfig``, ``pick_config``) live in launch_config.py and are re-exported here.
 """
 
@@ -195,9 +196,9 @@ def _expand_kernel(
 ):  # fmt: skip
     # program (g, c): tiles g, g+G, ...; column chunk c of one slice. Slice s owns chunks [CB_s, CB_s+1);
     # chunk c covers packed B^T columns c*N_CHUNK + OFF_s onwards, up to END_s, and y columns DY_s further
-    # (slice geometry is compile-time: see launch_config.slice_geometry). v is loaded (or, FUSED, computed from x and
-    # A: no shrink launch) once per tile and rank chunk, then the column loop streams B^T and y,
-    # pipelined by the compiler. Tiles of rank <= SMALL_R use narrow tiles.
+    # (compile-time: launch_config.slice_geometry). v is loaded (or, FUSED, computed from x and A: no
+    # shrink launch) once per tile and rank chunk, then the column loop streams B^T and y, pipelined by
+    # the compiler. Tiles of rank <= SMALL_R use narrow tiles.
     stride_yt = _aligned(stride_yt, Y_ALIGN)
     stride_br = _aligned(stride_br, B_ALIGN)
     pid_g = tl.program_id(0)
