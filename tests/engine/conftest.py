@@ -149,7 +149,7 @@ class FakeRunner:
 
     def execute(self, batch: ScheduledBatch):
         if self.fail_on_step is not None and len(self.batches) == self.fail_on_step:
-            raise RuntimeError("fake runner failure")
+            raise RuntimeError("CUDA error: fake runner failure (a device fault)")
         self.batches.append(batch)
         self.release(batch.freed_seq_ids)
         sampled = []
