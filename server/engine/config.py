@@ -32,6 +32,14 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     seed: int = 0
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
+    # Engine steps in which later arrivals may be admitted ahead of a waiting request (grouping by adapter,
+    # resident adapters first); after that it goes first and nothing later is admitted before it.
+    max_passed_over: int = 16
+    max_waiting_seqs: int | None = (
+        None  # refuse new requests (overloaded) while this many wait; None: no limit
+    )
+    max_queue_wait_s: float | None = None  # refuse new requests while queued ones already wait longer
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path")
@@ -76,3 +84,23 @@ class EngineConfig:
             f"must be strictly increasing positive ints, got {sizes!r}",
         )
         _require(_is_int(self.seed), "seed", f"must be an int, got {self.seed!r}")
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be a bool")
+        _require(
+            _is_int(self.max_passed_over) and self.max_passed_over >= 0,
+            "max_passed_over",
+            f"must be an int >= 0, got {self.max_passed_over!r}",
+        )
+        if self.max_waiting_seqs is not None:
+            _require(
+                _is_int(self.max_waiting_seqs) and self.max_waiting_seqs > 0,
+                "max_waiting_seqs",
+                f"must be a positive int or None, got {self.max_waiting_seqs!r}",
+            )
+        if self.max_queue_wait_s is not None:
+            _require(
+                isinstance(self.max_queue_wait_s, int | float)
+                and not isinstance(self.max_queue_wait_s, bool)
+                and 0.0 < self.max_queue_wait_s < float("inf"),
+                "max_queue_wait_s",
+                f"must be a positive finite number of seconds or None, got {self.max_queue_wait_s!r}",
+            )

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
+from .api import AdapterError
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenizerLike
@@ -68,6 +69,9 @@ class EngineStats:
     num_free_kv_blocks: int
     num_kv_blocks: int
     num_preemptions: int  # since start
+    num_cached_kv_blocks: int = 0  # full blocks held for prefix reuse (in use or free)
+    prefix_cache_queried_tokens: int = 0  # since start: prompt tokens looked up at admission
+    prefix_cache_hit_tokens: int = 0  # of those, found cached
 
 
 def _build_runner(config: EngineConfig):
@@ -84,9 +88,20 @@ class LLMEngine:
         self.runner = runner if runner is not None else _build_runner(config)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
-        block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size)
+        block_manager = BlockManager(
+            self.runner.num_kv_blocks,
+            self.runner.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+        )
         self.scheduler = Scheduler(
-            block_manager, config.max_num_seqs, config.max_num_batched_tokens, self.runner.max_model_len
+            block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.runner.max_model_len,
+            residency=getattr(self.runner, "residency", None),
+            max_passed_over=config.max_passed_over,
+            max_waiting_seqs=config.max_waiting_seqs,
+            max_queue_wait_s=config.max_queue_wait_s,
         )
         self.max_model_len = self.scheduler.max_model_len
         self._requests: dict[str, Sequence] = {}
@@ -97,7 +112,8 @@ class LLMEngine:
 
     # --- requests -----------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        """Raise ValueError (naming the field) for a request the engine cannot take; reads no mutable state."""
+        """Raise ValueError (naming the field) for a request the engine cannot take, or OverloadedError when it
+        cannot take more now; safe to call from any thread."""
         validate_prompt(prompt_token_ids)
         vocab_size = getattr(self.runner, "vocab_size", None)
         if vocab_size is not None and max(prompt_token_ids) >= vocab_size:
@@ -114,6 +130,7 @@ class LLMEngine:
                 f"SamplingParams.max_tokens: must be at most max_model_len={self.max_model_len}, "
                 f"got {sampling.max_tokens}"
             )
+        self.scheduler.check_overload()
 
     def add_request(
         self,
@@ -128,6 +145,11 @@ class LLMEngine:
             raise ValueError(f"request_id: {request_id!r} is already running")
         seq = Sequence(prompt_token_ids, sampling, request_id=request_id, adapter=adapter)
         self.check_request(seq.prompt_token_ids, sampling)
+        if adapter is not None:
+            try:  # the version's identity, never its name, keys its prefix-cache blocks
+                seq.cache_salt = self.scheduler.residency.digest(adapter)
+            except KeyError:
+                raise AdapterError("AdapterNotFound", f"adapter: {adapter!r} is not loaded") from None
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         if self.tokenizer is not None:
@@ -160,6 +182,9 @@ class LLMEngine:
             num_free_kv_blocks=blocks.num_free_blocks,
             num_kv_blocks=blocks.num_blocks,
             num_preemptions=scheduler.num_preemptions,
+            num_cached_kv_blocks=blocks.num_cached_blocks,
+            prefix_cache_queried_tokens=blocks.prefix_queried_tokens,
+            prefix_cache_hit_tokens=blocks.prefix_hit_tokens,
         )
 
     # --- the loop -------------------------------------------------------------------------------------------
