@@ -261,6 +261,10 @@ class LLMEngine:
 
     def _postprocess(self, batch: ScheduledBatch, sampled: list) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
+        for seq in batch.failed:  # its adapter can never be ready
+            self._requests.pop(seq.request_id, None)
+            self._detokenizers.pop(seq.seq_id, None)
+            outputs.append(self._output(seq, [], None))
         sampling_chunks = (chunk for chunk in batch.chunks if chunk.sample)
         for chunk, token in zip(sampling_chunks, sampled, strict=True):
             try:

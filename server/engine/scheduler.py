@@ -41,6 +41,9 @@ class ScheduledChunk:
 class ScheduledBatch:
     chunks: list[ScheduledChunk]
     freed_seq_ids: list[int] = field(default_factory=list)  # finished/aborted since last step
+    failed: list[Sequence] = field(
+        default_factory=list
+    )  # ended with an error while scheduling (their adapter)
 
     @property
     def is_decode_only(self) -> bool:
@@ -103,6 +106,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.load = QueueLoad()
         self._freed_seq_ids: list[int] = []
+        self._failed: list[Sequence] = []
         self._budget = 0  # tokens left in the step being scheduled
 
     # --- requests in and out ----------------------------------------------------------------------------
@@ -175,7 +179,8 @@ class Scheduler:
             self._admit_waiting(chunks, ready)
         self._publish_load(ready)
         freed, self._freed_seq_ids = self._freed_seq_ids, []
-        return ScheduledBatch(chunks=list(chunks.values()), freed_seq_ids=freed)
+        failed, self._failed = self._failed, []
+        return ScheduledBatch(chunks=list(chunks.values()), freed_seq_ids=freed, failed=failed)
 
     def commit(self, batch: ScheduledBatch) -> None:
         """After the runner wrote the batch's KV: those positions are now cached."""
@@ -199,13 +204,25 @@ class Scheduler:
 
     def _adapter_readiness(self) -> dict[str | None, bool]:
         """Whether each waiting sequence's adapter is usable now; asks for the others to be loaded, oldest
-        waiting request first (the base is always ready)."""
+        waiting request first (the base is always ready). An adapter the residency says can never be ready
+        (it raises: unknown, unloaded, failed to load) fails the requests waiting for it."""
         ready: dict[str | None, bool] = {None: True}
+        broken: dict[str, Exception] = {}
         for seq in self.waiting:
-            if seq.adapter not in ready:
-                ready[seq.adapter] = self.residency.is_ready(seq.adapter)
-                if not ready[seq.adapter]:
-                    self.residency.request(seq.adapter)
+            key = seq.adapter
+            if key in ready:
+                continue
+            try:
+                ready[key] = self.residency.is_ready(key)
+                if not ready[key]:
+                    self.residency.request(key)
+            except Exception as error:  # noqa: BLE001 - it belongs to the requests of this adapter
+                ready[key], broken[key] = False, error
+        for seq in [seq for seq in self.waiting if seq.adapter in broken]:
+            error = broken[seq.adapter]
+            seq.error = f"{type(error).__name__}: {error}"
+            self.finish(seq, "error")
+            self._failed.append(seq)
         return ready
 
     def _admission_order(self, ready: dict[str | None, bool]) -> list[Sequence]:

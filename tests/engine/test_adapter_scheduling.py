@@ -9,7 +9,10 @@ from collections import Counter
 
 import pytest
 
+from loraplane.server.engine.api import AdapterError
 from loraplane.server.engine.block_manager import BlockManager
+from loraplane.server.engine.config import EngineConfig
+from loraplane.server.engine.llm_engine import LLMEngine
 from loraplane.server.engine.scheduler import ScheduledBatch, Scheduler
 from loraplane.server.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
@@ -194,3 +197,26 @@ def test_acquire_and_release_pair_exactly_through_preemption_and_abort(seed):
     assert acquires == releases and sum(acquires.values()) >= sum(
         1 for s in seqs if s.adapter and s.output_token_ids
     )
+
+
+def test_an_adapter_that_can_never_load_fails_only_its_requests(fake_runner_cls):
+    class Residency(FakeResidency):
+        def request(self, key):
+            if key == "broken@1":
+                raise AdapterError("WarmFailed", "adapter broken@1: non-finite logits while warming")
+            super().request(key)
+
+    runner = fake_runner_cls()
+    runner.residency = Residency(resident=["ok@1"])
+    engine = LLMEngine(EngineConfig(model="fake"), runner=runner)
+    good = engine.add_request([1, 2], SamplingParams(max_tokens=3), request_id="good", adapter="ok@1")
+    engine.add_request([1, 2], SamplingParams(max_tokens=3), request_id="bad", adapter="broken@1")
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+        runner.residency.tick()
+    [bad] = [o for o in outputs if o.request_id == "bad"]
+    assert (bad.finished, bad.finish_reason) == (True, "error")
+    assert bad.error == "AdapterError: adapter broken@1: non-finite logits while warming"
+    assert good.output_token_ids == runner.reference([1, 2], 3)
+    assert +runner.residency.held == Counter()
