@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -15,6 +16,10 @@ def _require(ok: bool, field: str, message: str) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(slots=True)
@@ -33,9 +38,9 @@ class EngineConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     seed: int = 0
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
-    # Engine steps in which later arrivals may be admitted ahead of a waiting request (grouping by adapter,
-    # resident adapters first); after that it goes first and nothing later is admitted before it.
-    max_passed_over: int = 16
+    # How long later arrivals may be admitted ahead of a waiting request (grouping by adapter, resident
+    # adapters first, skipping a loading adapter); after that it goes first and nothing later is admitted before it.
+    max_passed_over_s: float = 2.0
     max_waiting_seqs: int | None = (
         None  # refuse new requests (overloaded) while this many wait; None: no limit
     )
@@ -86,9 +91,9 @@ class EngineConfig:
         _require(_is_int(self.seed), "seed", f"must be an int, got {self.seed!r}")
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be a bool")
         _require(
-            _is_int(self.max_passed_over) and self.max_passed_over >= 0,
-            "max_passed_over",
-            f"must be an int >= 0, got {self.max_passed_over!r}",
+            _is_seconds(self.max_passed_over_s) and self.max_passed_over_s >= 0.0,
+            "max_passed_over_s",
+            f"must be a finite number of seconds >= 0, got {self.max_passed_over_s!r}",
         )
         if self.max_waiting_seqs is not None:
             _require(
@@ -98,9 +103,7 @@ class EngineConfig:
             )
         if self.max_queue_wait_s is not None:
             _require(
-                isinstance(self.max_queue_wait_s, int | float)
-                and not isinstance(self.max_queue_wait_s, bool)
-                and 0.0 < self.max_queue_wait_s < float("inf"),
+                _is_seconds(self.max_queue_wait_s) and self.max_queue_wait_s > 0.0,
                 "max_queue_wait_s",
                 f"must be a positive finite number of seconds or None, got {self.max_queue_wait_s!r}",
             )

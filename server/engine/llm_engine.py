@@ -99,7 +99,7 @@ class LLMEngine:
             config.max_num_batched_tokens,
             self.runner.max_model_len,
             residency=getattr(self.runner, "residency", None),
-            max_passed_over=config.max_passed_over,
+            max_passed_over_s=config.max_passed_over_s,
             max_waiting_seqs=config.max_waiting_seqs,
             max_queue_wait_s=config.max_queue_wait_s,
         )

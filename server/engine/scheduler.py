@@ -6,8 +6,8 @@ queue. Admission is adapter-aware (S-LoRA): a sequence is admitted only when its
 device (otherwise its load is requested and the scheduler looks further down the queue, so nobody waits behind
 a loading adapter); sequences whose adapter already runs (or the base) come first, then the other resident
 adapters grouped by adapter, oldest group first; a step never holds more distinct adapters than the residency
-allows. Aging bounds the unfairness: a waiting sequence passed over (a later arrival admitted ahead of it) in
-max_passed_over steps goes first, and nothing later is admitted before it.
+allows. Aging bounds the unfairness: a waiting sequence passed over (a later arrival admitted ahead of it) for
+max_passed_over_s seconds goes first, and nothing later is admitted before it.
 
 When a sequence cannot grow, the most recent arrival among the running ones is preempted (its blocks freed,
 recomputed later from its prompt plus its output so far, with its adapter released) and goes back to the
@@ -78,7 +78,7 @@ class Scheduler:
         max_model_len: int,
         *,
         residency: AdapterResidency | None = None,
-        max_passed_over: int = 16,
+        max_passed_over_s: float = 2.0,
         max_waiting_seqs: int | None = None,
         max_queue_wait_s: float | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -89,15 +89,15 @@ class Scheduler:
             raise ValueError(f"max_num_batched_tokens: must be > 0, got {max_num_batched_tokens}")
         if max_model_len <= 1:
             raise ValueError(f"max_model_len: must be > 1, got {max_model_len}")
-        if max_passed_over < 0:
-            raise ValueError(f"max_passed_over: must be >= 0, got {max_passed_over}")
+        if not max_passed_over_s >= 0.0:
+            raise ValueError(f"max_passed_over_s: must be >= 0, got {max_passed_over_s}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # A sequence alone must always fit in the cache, or preempting everyone else could not save it.
         self.max_model_len = min(max_model_len, block_manager.capacity_tokens)
         self.residency = residency if residency is not None else NullResidency()
-        self.max_passed_over = max_passed_over
+        self.max_passed_over_s = max_passed_over_s
         self.max_waiting_seqs = max_waiting_seqs
         self.max_queue_wait_s = max_queue_wait_s
         self.clock = clock
@@ -225,7 +225,11 @@ class Scheduler:
             self._failed.append(seq)
         return ready
 
-    def _admission_order(self, ready: dict[str | None, bool]) -> list[Sequence]:
+    def _overdue(self, seq: Sequence, now: float) -> bool:
+        since = seq.passed_over_since
+        return since is not None and now - since >= self.max_passed_over_s
+
+    def _admission_order(self, ready: dict[str | None, bool], now: float) -> list[Sequence]:
         """Overdue sequences first (arrival order), then those whose adapter already runs (or the base), then
         the other resident adapters grouped by adapter, oldest group first."""
         if len(ready) == 1:  # the base alone: arrival order
@@ -236,7 +240,7 @@ class Scheduler:
             group_age.setdefault(seq.adapter, seq.seq_id)
 
         def rank(seq: Sequence) -> tuple[int, int, int]:
-            if seq.passed_over >= self.max_passed_over:
+            if self._overdue(seq, now):
                 return (0, seq.seq_id, 0)
             if seq.adapter is None or seq.adapter in active:
                 return (1, seq.seq_id, 0)
@@ -247,11 +251,11 @@ class Scheduler:
     def _admit_waiting(self, chunks: dict[int, ScheduledChunk], ready: dict[str | None, bool]) -> None:
         active = {seq.adapter for seq in self.running if seq.adapter is not None}
         max_adapters = self.residency.max_adapters_per_step
-        latest_admitted = -1
-        for seq in self._admission_order(ready):
+        latest_admitted, now = -1, self.clock()
+        for seq in self._admission_order(ready, now):
             if self._budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            overdue = seq.passed_over >= self.max_passed_over
+            overdue = self._overdue(seq, now)
             new_adapter = seq.adapter is not None and seq.adapter not in active
             if not ready[seq.adapter] or (new_adapter and len(active) >= max_adapters):
                 if overdue:
@@ -262,9 +266,11 @@ class Scheduler:
             if seq.adapter is not None:
                 active.add(seq.adapter)
             latest_admitted = max(latest_admitted, seq.seq_id)
-        for seq in self.waiting:  # aging: count the steps in which a later arrival went first
+        for seq in self.waiting:  # aging: note when a later arrival first went ahead
             if seq.seq_id < latest_admitted:
                 seq.passed_over += 1
+                if seq.passed_over_since is None:
+                    seq.passed_over_since = now
 
     def _admit(self, seq: Sequence, chunks: dict[int, ScheduledChunk]) -> bool:
         block_manager = self.block_manager
@@ -278,7 +284,7 @@ class Scheduler:
         seq.num_computed_tokens = cached
         self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
-        seq.passed_over = 0
+        seq.passed_over, seq.passed_over_since = 0, None
         self.running.append(seq)
         if seq.adapter is not None:
             self.residency.acquire(seq.adapter)

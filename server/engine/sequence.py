@@ -121,6 +121,7 @@ class Sequence:
         "block_hashes",
         "num_cached_blocks",
         "passed_over",
+        "passed_over_since",
         "queued_at",
     )
     _ids = itertools.count()
@@ -154,6 +155,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0  # leading blocks of block_table registered in the prefix cache
         self.passed_over = 0  # steps in which a later arrival was admitted while this one waited
+        self.passed_over_since: float | None = None  # when that first happened (the scheduler's clock)
         self.queued_at = self.arrival_time  # when it last entered the waiting queue (the scheduler's clock)
 
     def __repr__(self) -> str:

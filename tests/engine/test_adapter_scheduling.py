@@ -68,10 +68,26 @@ class FakeResidency:
         return bool(idle)
 
 
-def make(residency, num_blocks=256, max_num_seqs=8, max_tokens_per_step=64, max_passed_over=16):
+class StepClock:
+    """One second per engine step."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(residency, num_blocks=256, max_num_seqs=8, max_tokens_per_step=64, max_passed_over_s=16.0):
     bm = BlockManager(num_blocks, 4, watermark=0.0)
     return Scheduler(
-        bm, max_num_seqs, max_tokens_per_step, 1024, residency=residency, max_passed_over=max_passed_over
+        bm,
+        max_num_seqs,
+        max_tokens_per_step,
+        1024,
+        residency=residency,
+        max_passed_over_s=max_passed_over_s,
+        clock=StepClock(),
     )
 
 
@@ -98,6 +114,7 @@ def step(sched: Scheduler, residency: FakeResidency) -> ScheduledBatch:
             if chunk.seq.num_output_tokens >= chunk.seq.sampling.max_tokens:
                 sched.finish(chunk.seq, "length")
     residency.tick()
+    sched.clock.now += 1.0
     return batch
 
 
@@ -140,11 +157,11 @@ def test_distinct_adapters_per_step_are_capped():
     assert +residency.held == Counter()
 
 
-def adversarial_run(max_passed_over: int, steps: int = 120) -> tuple[Sequence, int, int]:
+def adversarial_run(max_passed_over_s: float, steps: int = 120) -> tuple[Sequence, int, int]:
     """One pool slot; a hot adapter gets a new request every step, so its adapter is always running and
     preferred; the victim needs another adapter, which can only load once nobody holds the hot one."""
     residency = FakeResidency(slots=1, load_steps=1, max_adapters_per_step=1, resident=["hot@1"])
-    sched = make(residency, max_num_seqs=4, max_passed_over=max_passed_over)
+    sched = make(residency, max_num_seqs=4, max_passed_over_s=max_passed_over_s)
     add(sched, "hot@1", max_tokens=3)
     step(sched, residency)
     victim = add(sched, "cold@1", max_tokens=2)
@@ -159,14 +176,14 @@ def adversarial_run(max_passed_over: int, steps: int = 120) -> tuple[Sequence, i
 
 
 def test_aging_bounds_how_long_a_request_is_passed_over():
-    victim, admitted_at, worst = adversarial_run(max_passed_over=5)
-    assert worst <= 5, "a request was passed over more often than the bound"
+    victim, admitted_at, worst = adversarial_run(max_passed_over_s=5.0)
+    assert worst <= 5, "a request was passed over for longer than the bound (one step per second)"
     # passed over 5 times, then nothing later is admitted: the running hot requests (3 tokens) drain, the
     # slot frees, its adapter loads (1 step) and it runs
     assert 0 <= admitted_at <= 5 + 3 + 2
     assert victim.num_output_tokens > 0
     # the same pattern starves it without the bound
-    starved, never, _ = adversarial_run(max_passed_over=10**9)
+    starved, never, _ = adversarial_run(max_passed_over_s=1e9)
     assert never == -1 and starved.status is SequenceStatus.WAITING
 
 
