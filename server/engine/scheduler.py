@@ -208,9 +208,8 @@ class Scheduler:
         (it raises: unknown, unloaded, failed to load) fails the requests waiting for it."""
         ready: dict[str | None, bool] = {None: True}
         broken: dict[str, Exception] = {}
-        for seq in self.waiting:
-            key = seq.adapter
-            if key in ready:
+        for key in dict.fromkeys(seq.adapter for seq in self.waiting):  # distinct, oldest first
+            if key is None:
                 continue
             try:
                 ready[key] = self.residency.is_ready(key)
@@ -218,7 +217,7 @@ class Scheduler:
                     self.residency.request(key)
             except Exception as error:  # noqa: BLE001 - it belongs to the requests of this adapter
                 ready[key], broken[key] = False, error
-        for seq in [seq for seq in self.waiting if seq.adapter in broken]:
+        for seq in [seq for seq in self.waiting if seq.adapter in broken] if broken else []:
             error = broken[seq.adapter]
             seq.error = f"{type(error).__name__}: {error}"
             self.finish(seq, "error")
@@ -249,6 +248,8 @@ class Scheduler:
         return sorted(self.waiting, key=rank)
 
     def _admit_waiting(self, chunks: dict[int, ScheduledChunk], ready: dict[str | None, bool]) -> None:
+        if not self.waiting or self._budget == 0 or len(self.running) >= self.max_num_seqs:
+            return  # no room this step: nobody is admitted, so nobody is passed over either
         active = {seq.adapter for seq in self.running if seq.adapter is not None}
         max_adapters = self.residency.max_adapters_per_step
         latest_admitted, now = -1, self.clock()
@@ -267,6 +268,8 @@ class Scheduler:
                 active.add(seq.adapter)
             latest_admitted = max(latest_admitted, seq.seq_id)
         for seq in self.waiting:  # aging: note when a later arrival first went ahead
+            if seq.seq_id > latest_admitted:
+                break
             if seq.seq_id < latest_admitted:
                 seq.passed_over += 1
                 if seq.passed_over_since is None:
@@ -319,6 +322,8 @@ class Scheduler:
             self.residency.release(seq.adapter)
 
     def _publish_load(self, ready: dict[str | None, bool]) -> None:
+        if self.max_queue_wait_s is None:
+            return  # nobody reads it
         # A sequence that waits for its adapter to load says nothing about the queue: it is left out.
         times = [seq.queued_at for seq in self.waiting if ready.get(seq.adapter, True)]
         self.load = QueueLoad(oldest_queued_at=min(times) if times else None)
