@@ -77,7 +77,7 @@ class AdapterManager:
         return weights.pin() if self.device.type == "cuda" else weights
 
     # -- registry (any thread) --------------------------------------------------------------------------
-    def register(self, name: str, version: str, folder: Path, digest: str, weights: AdapterWeights, *,
+    def register(self, name: str, version: str, folder: Path, digest: str, weights: AdapterWeights | None, *,
                  pin: bool = False, load_s: float = 0.0) -> AdapterInfo:  # fmt: skip
         key = adapter_key(name, version)
         with self.lock:
@@ -90,6 +90,8 @@ class AdapterManager:
                 old.unloading = False
                 old.pinned = old.pinned or pin
                 return self.info(key)
+            if weights is None:
+                raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
             for m, r in weights.ranks.items():
                 if r > self.gpu.pools[m].num_pages:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
@@ -282,10 +284,13 @@ class AdapterManager:
         captured graph, whose launches are fixed (their tiles are then empty).
         """
         keys = {k for k, _ in chunks if k is not None}
-        self.poll()
-        self.ensure_resident(keys)
         with self.lock:
-            self.step_keys = frozenset(keys)
+            self.step_keys = frozenset(keys)  # making one of them resident must not evict another
+            try:
+                self.poll()
+                self.ensure_resident(keys)
+            finally:
+                self.step_keys = frozenset()
             for key in keys:
                 self.gpu.touch(key)
             self.last_step = (sum(n for _, n in chunks), len(chunks), len(keys))
