@@ -41,10 +41,16 @@ class EngineConfig:
     # How long later arrivals may be admitted ahead of a waiting request (grouping by adapter, resident
     # adapters first, skipping a loading adapter); after that it goes first and nothing later is admitted before it.
     max_passed_over_s: float = 2.0
-    max_waiting_seqs: int | None = (
-        None  # refuse new requests (overloaded) while this many wait; None: no limit
-    )
+    # Refuse new requests (overloaded) while this many wait; None: no limit.
+    max_waiting_seqs: int | None = None
     max_queue_wait_s: float | None = None  # refuse new requests while queued ones already wait longer
+    # Adapters (multi-LoRA). The GPU pools hold max_loras adapters of max_lora_rank on every module (more of
+    # lower rank or fewer modules); lora_pool_bytes, when set, sizes them in bytes instead.
+    enable_lora: bool = True
+    max_lora_rank: int = 64
+    max_loras: int = 8
+    lora_pool_bytes: int | None = None
+    lora_host_bytes: int = 8 << 30  # pinned host RAM for parsed adapters (LRU)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path")
@@ -106,4 +112,14 @@ class EngineConfig:
                 _is_seconds(self.max_queue_wait_s) and self.max_queue_wait_s > 0.0,
                 "max_queue_wait_s",
                 f"must be a positive finite number of seconds or None, got {self.max_queue_wait_s!r}",
+            )
+        _require(isinstance(self.enable_lora, bool), "enable_lora", "must be a bool")
+        for name in ("max_lora_rank", "max_loras", "lora_host_bytes"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value > 0, name, f"must be a positive int, got {value!r}")
+        if self.lora_pool_bytes is not None:
+            _require(
+                _is_int(self.lora_pool_bytes) and self.lora_pool_bytes > 0,
+                "lora_pool_bytes",
+                f"must be a positive int or None, got {self.lora_pool_bytes!r}",
             )
