@@ -44,6 +44,7 @@ class EngineConfig:
     # Refuse new requests (overloaded) while this many wait; None: no limit.
     max_waiting_seqs: int | None = None
     max_queue_wait_s: float | None = None  # refuse new requests while queued ones already wait longer
+    adapter_load_timeout_s: float = 60.0  # a request whose adapter is still not resident after this fails
     # Adapters (multi-LoRA). The GPU pools hold max_loras adapters of max_lora_rank on every module (more of
     # lower rank or fewer modules); lora_pool_bytes, when set, sizes them in bytes instead.
     enable_lora: bool = True
@@ -113,6 +114,11 @@ class EngineConfig:
                 "max_queue_wait_s",
                 f"must be a positive finite number of seconds or None, got {self.max_queue_wait_s!r}",
             )
+        _require(
+            _is_seconds(self.adapter_load_timeout_s) and self.adapter_load_timeout_s > 0.0,
+            "adapter_load_timeout_s",
+            f"must be a positive finite number of seconds, got {self.adapter_load_timeout_s!r}",
+        )
         _require(isinstance(self.enable_lora, bool), "enable_lora", "must be a bool")
         for name in ("max_lora_rank", "max_loras", "lora_host_bytes"):
             value = getattr(self, name)

@@ -102,6 +102,7 @@ class LLMEngine:
             max_passed_over_s=config.max_passed_over_s,
             max_waiting_seqs=config.max_waiting_seqs,
             max_queue_wait_s=config.max_queue_wait_s,
+            adapter_load_timeout_s=config.adapter_load_timeout_s,
         )
         self.max_model_len = self.scheduler.max_model_len
         self._requests: dict[str, Sequence] = {}

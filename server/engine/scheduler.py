@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .api import OverloadedError
+from .api import AdapterError, OverloadedError
 from .block_manager import BlockManager
 from .residency import AdapterResidency, NullResidency
 from .sequence import Sequence, SequenceStatus
@@ -81,6 +81,7 @@ class Scheduler:
         max_passed_over_s: float = 2.0,
         max_waiting_seqs: int | None = None,
         max_queue_wait_s: float | None = None,
+        adapter_load_timeout_s: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_num_seqs <= 0:
@@ -100,6 +101,7 @@ class Scheduler:
         self.max_passed_over_s = max_passed_over_s
         self.max_waiting_seqs = max_waiting_seqs
         self.max_queue_wait_s = max_queue_wait_s
+        self.adapter_load_timeout_s = adapter_load_timeout_s
         self.clock = clock
         self.waiting: list[Sequence] = []  # in arrival (seq_id) order
         self.running: list[Sequence] = []
@@ -205,7 +207,8 @@ class Scheduler:
     def _adapter_readiness(self) -> dict[str | None, bool]:
         """Whether each waiting sequence's adapter is usable now; asks for the others to be loaded, oldest
         waiting request first (the base is always ready). An adapter the residency says can never be ready
-        (it raises: unknown, unloaded, failed to load) fails the requests waiting for it."""
+        (it raises: unknown, unloaded, failed to load) fails the requests waiting for it, and so does one that
+        is still not ready after adapter_load_timeout_s (so a stuck load cannot hold the queue forever)."""
         ready: dict[str | None, bool] = {None: True}
         broken: dict[str, Exception] = {}
         for key in dict.fromkeys(seq.adapter for seq in self.waiting):  # distinct, oldest first
@@ -217,11 +220,21 @@ class Scheduler:
                     self.residency.request(key)
             except Exception as error:  # noqa: BLE001 - it belongs to the requests of this adapter
                 ready[key], broken[key] = False, error
-        for seq in [seq for seq in self.waiting if seq.adapter in broken] if broken else []:
-            error = broken[seq.adapter]
-            seq.error = f"{type(error).__name__}: {error}"
-            self.finish(seq, "error")
-            self._failed.append(seq)
+        if all(ready.values()):
+            return ready
+        now, timeout = self.clock(), self.adapter_load_timeout_s
+        for seq in [seq for seq in self.waiting if not ready[seq.adapter]]:
+            error = broken.get(seq.adapter)
+            if error is None and now - seq.queued_at > timeout:
+                error = AdapterError(
+                    "AdapterNotReady",
+                    f"adapter {seq.adapter!r} did not become resident within {timeout:g} s "
+                    "(EngineConfig.adapter_load_timeout_s)",
+                )
+            if error is not None:
+                seq.error = f"{type(error).__name__}: {error}"
+                self.finish(seq, "error")
+                self._failed.append(seq)
         return ready
 
     def _overdue(self, seq: Sequence, now: float) -> bool:

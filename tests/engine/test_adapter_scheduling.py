@@ -87,6 +87,7 @@ def make(residency, num_blocks=256, max_num_seqs=8, max_tokens_per_step=64, max_
         1024,
         residency=residency,
         max_passed_over_s=max_passed_over_s,
+        adapter_load_timeout_s=1e9,
         clock=StepClock(),
     )
 
@@ -237,3 +238,19 @@ def test_an_adapter_that_can_never_load_fails_only_its_requests(fake_runner_cls)
     assert bad.error == "AdapterError: adapter broken@1: non-finite logits while warming"
     assert good.output_token_ids == runner.reference([1, 2], 3)
     assert +runner.residency.held == Counter()
+
+
+def test_a_load_that_never_finishes_fails_its_requests_after_the_timeout():
+    residency = FakeResidency(slots=1, load_steps=10**9, resident=["ok@1"])
+    sched = Scheduler(BlockManager(64, 4), 8, 64, 1024, residency=residency, adapter_load_timeout_s=30.0,
+                      clock=StepClock())  # fmt: skip
+    stuck, fine = add(sched, "stuck@1"), add(sched, None, max_tokens=100)
+    failed = []
+    for _ in range(40):
+        batch = sched.schedule()
+        failed += batch.failed
+        sched.commit(batch)
+        sched.clock.now += 1.0
+    assert failed == [stuck] and stuck.finish_reason == "error"
+    assert stuck.error.startswith("AdapterError: adapter 'stuck@1' did not become resident within 30 s")
+    assert fine.status is SequenceStatus.RUNNING

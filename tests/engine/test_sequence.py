@@ -61,6 +61,7 @@ def test_sampling_params_normalise_sequences():
         ({"max_waiting_seqs": 0}, "max_waiting_seqs"),
         ({"max_queue_wait_s": 0}, "max_queue_wait_s"),
         ({"max_queue_wait_s": float("inf")}, "max_queue_wait_s"),
+        ({"adapter_load_timeout_s": 0}, "adapter_load_timeout_s"),
     ],
 )
 def test_engine_config_rejects_bad_fields(kwargs, field):
