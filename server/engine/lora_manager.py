@@ -189,7 +189,9 @@ class AdapterManager:
 
     def acquire(self, key: str) -> None:
         with self.lock:
-            self.versions[key].refs += 1
+            v = self.versions.get(key)
+            if v is not None:
+                v.refs += 1
 
     def release(self, key: str) -> None:
         with self.lock:
