@@ -42,6 +42,7 @@ class _Version:
     unloading: bool = False  # takes no new requests; freed once nothing uses it
     timings: dict[str, float] = field(default_factory=dict)
     loading: Future | None = None  # a disk -> host parse on the worker thread
+    error_reason: str | None = None
 
 
 class AdapterManager:
@@ -182,14 +183,23 @@ class AdapterManager:
             return key in self.versions and (self.gpu.done(key) or self._advance(key))
 
     def request(self, key: str) -> None:
+        """Start moving ``key`` toward the GPU; AdapterError when it can never get there (unknown, fully
+        unloaded, or its folder failed to load), so the requests waiting for it fail instead of waiting."""
         with self.lock:
-            if key in self.versions and not self.gpu.done(key):
+            v = self.versions.get(key)
+            if v is None:
+                raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
+            if not self.gpu.done(key):
                 self.wanted.add(key)
                 self._advance(key)
+            if v.state == "failed":
+                raise AdapterError(v.error_reason or "BadAdapterFile", f"adapter {key!r}: {v.error}")
 
     def acquire(self, key: str) -> None:
         with self.lock:
-            self.versions[key].refs += 1
+            v = self.versions.get(key)
+            if v is not None:
+                v.refs += 1
 
     def release(self, key: str) -> None:
         with self.lock:
@@ -230,7 +240,7 @@ class AdapterManager:
             try:
                 weights = future.result()
             except AdapterError as error:  # the folder changed under us
-                v.state, v.error = "failed", f"{error.reason}: {error}"
+                v.state, v.error, v.error_reason = "failed", f"{error.reason}: {error}", error.reason
                 return False
             self.host.put(key, weights, self._host_evictable)
         if not self.gpu.make_room(weights, self._gpu_evictable):
