@@ -68,6 +68,12 @@ def normalize_image(image: str) -> str:
     return f"{first.lower()}/{rest}"
 
 
+def _registry_prefix(entry: str) -> str:
+    """``registry.internal:5000`` (a host alone) or ``ghcr.io/loraplane`` (a host and a path), normalized."""
+    entry = entry.strip().rstrip("/")
+    return entry.lower() if "/" not in entry else normalize_image(entry)
+
+
 @dataclass(frozen=True, slots=True)
 class OperatorPolicy:
     allowed_s3_endpoints: tuple[str, ...] = ()  # empty: AWS's endpoints only
@@ -87,7 +93,7 @@ class OperatorPolicy:
         ):
             raise ValueError(f"--host-path-prefix {prefix!r} must be a normalized absolute path other than /")
         object.__setattr__(self, "host_path_prefix", prefix)
-        registries = tuple(normalize_image(r.rstrip("/")) for r in self.allowed_registries if r.strip())
+        registries = tuple(_registry_prefix(r) for r in self.allowed_registries if r.strip())
         if any(not _IMAGE.match(r) for r in registries):
             raise ValueError(f"--allowed-registry: {self.allowed_registries!r} holds a malformed prefix")
         object.__setattr__(self, "allowed_registries", registries)

@@ -75,6 +75,9 @@ def test_image_rule():
                 "evil.io/ghcr.io/loraplane/x", "ghcr.io/loraplane/../x", "ghcr.io/loraplane"):  # fmt: skip
         err = _violation(policy.server_image_for, bad, default)
         assert err.reason == P.IMAGE_NOT_ALLOWED and err.field == "spec.image", bad
+    host_only = P.OperatorPolicy(allowed_registries=("Registry.Internal:5000",))
+    assert host_only.server_image_for("registry.internal:5000/any/server:1", default)
+    assert _violation(host_only.server_image_for, "registry.internal:5001/any/server:1", default)
     pinned = P.OperatorPolicy(server_image="registry.internal:5000/ml/server:2.0")
     assert pinned.server_image_for(None, default) == "registry.internal:5000/ml/server:2.0"
     assert pinned.server_image_for("registry.internal:5000/ml/server:2.0", default).endswith(":2.0")
