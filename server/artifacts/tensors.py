@@ -42,6 +42,7 @@ _EXPONENT = {
     "BF16": (2, 1, 0x7F, 0, 0x80),
     "F16": (2, 1, 0x7C, None, 0),
     "F8_E5M2": (1, 0, 0x7C, None, 0),
+    "F8_E4M3": (1, 0, 0x7F, None, 0),  # no Inf; S.1111.111 is its NaN
 }
 _TABLES = {m: bytes(1 if i & m == m else 0 for i in range(256)) for m in (0x7F, 0x80, 0xF0, 0x7C)}
 
@@ -141,7 +142,7 @@ def first_non_finite(data: bytes, dtype: str, start: int = 0, stop: int | None =
     """Index (from ``start``) of the first NaN/Inf element in ``data[start:stop]``, whole elements of
     ``dtype``, or None. Slicing with a step copies only the exponent bytes: no other copy is made."""
     test = _EXPONENT.get(dtype)
-    if test is None:  # integers, bool, F8_E4M3 (no Inf; its single NaN pattern is never produced by training)
+    if test is None:  # integers and bool: always finite
         return None
     width, hi, hi_mask, lo, lo_mask = test
     stop = len(data) if stop is None else stop

@@ -69,6 +69,9 @@ def test_large_finite_values_are_not_mistaken_for_inf(tmp_path):
     bf16 = b"".join(struct.pack("<f", v)[2:] for v in (3.0e38, -3.0e38, 1.0, -INF))
     assert first_non_finite(bf16, "BF16") == 3
     assert first_non_finite(bf16[:-2], "BF16") is None
+    assert first_non_finite(bytes([0x7E, 0xFE, 0x00, 0xFF]), "F8_E4M3") == 3  # 448, -448, 0, NaN
+    assert first_non_finite(bytes([0x7B, 0xFC]), "F8_E5M2") == 1  # 57344, -Inf
+    assert first_non_finite(bytes([0xFF, 0x7F]), "I16") is None
 
 
 def _layout_case(folder, edit) -> None:
