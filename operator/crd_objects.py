@@ -136,17 +136,18 @@ class LoRAAdapterStatus(StatusModel):
     conditions: list[Condition] | None = conditions_field()  # fmt: skip
 
 
-def _name(obj) -> str:
-    return str((obj.metadata or {}).get("name", ""))
+def _name(obj) -> str | None:
+    name = obj.metadata.get("name")
+    return name if isinstance(name, str) else None
 
 
 def name_rules(pattern: str, most: int, why: str) -> tuple[Rule, ...]:
     """metadata.name bounds. CEL at the root is the one place a CRD may restrict the object's name."""
     return (
         Rule(f"size(self.metadata.name) <= {most}", f"metadata.name must be at most {most} characters ({why})",
-             lambda obj: len(_name(obj)) <= most),
+             lambda obj: _name(obj) is not None and len(_name(obj)) <= most, names=".metadata.name"),
         Rule(f"self.metadata.name.matches('{pattern}')", f"metadata.name must match {pattern} ({why})",
-             lambda obj: re.search(pattern, _name(obj)) is not None),
+             lambda obj: re.fullmatch(pattern, _name(obj) or "") is not None, names=".metadata.name"),
     )  # fmt: skip
 
 

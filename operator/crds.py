@@ -1,7 +1,7 @@
 """The two CustomResourceDefinitions, as code: the one source of ``crds/*.yaml``.
 
-    python -m loraplane.operator.crds --write crds/    # regenerate
-    python -m loraplane.operator.crds --check crds/    # exit 1 if the committed YAML is stale
+    loraplane operator crds --write [crds/]    # regenerate (then: python scripts/sync_chart_crds.py)
+    loraplane operator crds --check [crds/]    # exit 1 if the committed YAML is stale
 
 The schemas come from the pydantic models (crd_models.py: spec, crd_objects.py: status and the
 objects) through openapi.structural; this module adds what is not a schema: names, printer columns,
@@ -109,8 +109,10 @@ def render(builder) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loraplane.operator.crds")
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", metavar="DIR", help="write the CRD YAML files into DIR")
-    mode.add_argument("--check", metavar="DIR", help="exit 1 if the YAML in DIR differs from the code")
+    mode.add_argument(
+        "--write", metavar="DIR", nargs="?", const="crds", help="write the YAML into DIR (crds)"
+    )
+    mode.add_argument("--check", metavar="DIR", nargs="?", const="crds", help="exit 1 if DIR's YAML is stale")
     args = parser.parse_args(argv)
     folder = pathlib.Path(args.write or args.check)
     stale = []
