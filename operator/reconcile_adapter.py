@@ -20,7 +20,7 @@ from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec,
 from loraplane.operator.crd_objects import LoRAAdapter
 from loraplane.operator.kube import custom_ref
 from loraplane.operator.publish import post_event, publish
-from loraplane.operator.validation import ValidationFailed, validate
+from loraplane.operator.validation import ValidationFailed, check_base_policy, labeled_secret, validate
 
 
 @dataclass(slots=True)
@@ -45,7 +45,11 @@ class Verdict:
 
 
 async def admin_token(ctx: Context, namespace: str, base: dict, spec: BaseSpec) -> str:
-    data = await ctx.kube.secret_data(namespace, admin_token_secret_name(base, spec))
+    name = admin_token_secret_name(base, spec)
+    if spec.admin_token is not None:  # named by the LoRABase: only if labeled for the operator
+        data = await labeled_secret(ctx, namespace, name, "spec.adminTokenSecretRef.name")
+    else:  # the operator's own
+        data = await ctx.kube.secret_data(namespace, name)
     token = (data or {}).get(admin_token_key(spec))
     if not token:
         raise ValidationFailed(
@@ -200,6 +204,7 @@ async def run_pass(
         return verdict, views
     try:
         base_spec = BaseSpec.parse(base.get("spec") or {})
+        await check_base_policy(ctx, namespace, base, base_spec)  # its endpoint and Secrets are used below
         token = await admin_token(ctx, namespace, base, base_spec)
     except SpecError as exc:
         verdict.fail(C.BASE_NOT_READY, f"the LoRABase is invalid: {exc}", validated=C.UNKNOWN)

@@ -19,8 +19,9 @@ from pathlib import Path
 from loraplane.server.artifacts import errors as E
 from loraplane.server.artifacts import s3 as S3
 from loraplane.server.artifacts.fsutil import SyncedFile, flock, fsync_dir
-from loraplane.server.artifacts.manifest import FileEntry, Manifest
-from loraplane.server.artifacts.verify import sha256_file
+from loraplane.server.artifacts.manifest import WEIGHTS_FILE, FileEntry, Manifest
+from loraplane.server.artifacts.tensors import TensorScanner
+from loraplane.server.artifacts.verify import hash_file
 
 
 class BlobStore:
@@ -70,10 +71,11 @@ class BlobStore:
     def _ensure_blob(self, bucket: str, key: str, entry: FileEntry) -> Path:
         """The verified blob for ``entry``: downloaded once, however many pullers ask at the same time."""
         blob = self._blob(entry.sha256)
+        name = key.rsplit("/", 1)[-1]
         with flock(self._lock("blob", entry.sha256)):
             if blob.is_file():
                 if blob.stat().st_size == entry.size and (
-                    not self.verify_on_hit or sha256_file(blob) == entry.sha256
+                    not self.verify_on_hit or hash_file(blob, name, entry.sha256) == entry.sha256
                 ):
                     return blob
                 self._count("corrupt_evictions")
@@ -88,6 +90,8 @@ class BlobStore:
                     size=entry.size,
                     open_sink=lambda: SyncedFile(tmp),
                     retry=self.retry,
+                    # the weights' layout and values are checked in the pass that hashes them
+                    new_check=(lambda: TensorScanner(entry.size, name)) if name == WEIGHTS_FILE else None,
                 )
                 os.chmod(tmp, 0o444)
                 os.replace(tmp, blob)

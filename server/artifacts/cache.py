@@ -47,7 +47,7 @@ from loraplane.server.artifacts.verify import (
     Policy,
     VerifiedManifest,
     fetch_verified_manifest,
-    sha256_file,
+    hash_file,
     verify_manifest_bytes,
 )
 
@@ -192,7 +192,7 @@ class HostCache(BlobStore):
                 raise E.ArtifactError(E.MISSING_FILE, "missing from the cached folder", name)
             if path.stat().st_size != entry.size:
                 raise E.ArtifactError(E.FILE_SIZE_MISMATCH, "cached size differs", name)
-            if rehash and sha256_file(path) != entry.sha256:
+            if rehash and hash_file(path, name, entry.sha256) != entry.sha256:
                 raise E.ArtifactError(E.FILE_HASH_MISMATCH, "cached content differs", name)
 
     def _assemble(

@@ -207,6 +207,8 @@ class Manifest:
             parsed = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise E.ArtifactError(E.BAD_MANIFEST, f"not UTF-8 JSON ({exc})", "manifest") from None
+        except RecursionError:
+            raise E.ArtifactError(E.BAD_MANIFEST, "JSON nested too deeply", "manifest") from None
         manifest = cls.from_dict(parsed)
         if manifest.canonical_bytes() != data:
             raise E.ArtifactError(

@@ -43,7 +43,7 @@ from loraplane.server.artifacts.verify import (
     VerifiedManifest,
     check_listing,
     folder_listing,
-    sha256_file,
+    hash_file,
     verify_folder,
 )
 
@@ -101,7 +101,7 @@ def pack_folder(
         except (OSError, json.JSONDecodeError, BaseHashError) as exc:
             raise E.ArtifactError(E.BAD_MANIFEST, f"unusable base folder ({exc})", "base") from None
         check_against_base(folder / WEIGHTS_FILE, base_config)
-    files = {n: FileEntry(sha256_file(folder / n), (folder / n).stat().st_size) for n in names}
+    files = {n: FileEntry(hash_file(folder / n, n), (folder / n).stat().st_size) for n in names}
     manifest = Manifest(
         name=name,
         version=version,
@@ -130,7 +130,7 @@ def _check_packed(folder: Path) -> tuple[bytes, Manifest]:
     listing = {k: v for k, v in folder_listing(folder).items() if k != SIGNATURE_FILE}
     check_listing(manifest, listing, "")
     for fname, entry in manifest.files.items():
-        if sha256_file(folder / fname) != entry.sha256:
+        if hash_file(folder / fname, fname, entry.sha256) != entry.sha256:
             raise E.ArtifactError(E.FILE_HASH_MISMATCH, "changed since pack; pack again", fname)
     return manifest_bytes, manifest
 

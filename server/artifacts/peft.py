@@ -1,6 +1,7 @@
 """Torch-free checks of a PEFT LoRA folder against the base model's ``config.json``.
 
-Only the safetensors header is read (shapes and dtypes), never the tensor bytes. PEFT key layout:
+Only the safetensors header is read here (shapes, dtypes, a layout that fits the file); the tensor bytes
+are checked by tensors.py in the pass that hashes them. PEFT key layout:
 ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`` with lora_A [r, in]
 and lora_B [out, r].
 """
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.base_hash import BaseHashError, read_safetensors_header
 from loraplane.server.artifacts.manifest import CONFIG_FILE, KNOWN_MODULES, WEIGHTS_FILE
+from loraplane.server.artifacts.tensors import read_layout
 
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z_]+)\.lora_(A|B)\.weight$"
@@ -45,6 +46,8 @@ def read_adapter_config(path: Path) -> AdapterConfig:
         cfg = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise E.ArtifactError(E.BAD_MANIFEST, f"unreadable ({exc})", field_) from None
+    except RecursionError:
+        raise E.ArtifactError(E.BAD_MANIFEST, "JSON nested too deeply", field_) from None
     if not isinstance(cfg, dict):
         raise E.ArtifactError(E.BAD_MANIFEST, "not a JSON object", field_)
     if cfg.get("peft_type", "LORA") != "LORA":
@@ -74,12 +77,13 @@ def inspect_weights(path: Path, *, allowed_modules=KNOWN_MODULES) -> AdapterWeig
     """Ranks, dtype and layers from the safetensors header; refuses unknown keys and inconsistent pairs."""
     field_ = WEIGHTS_FILE
     try:
-        header, _ = read_safetensors_header(Path(path))
-    except (BaseHashError, OSError) as exc:
+        spans = read_layout(Path(path), field_)
+    except OSError as exc:
         raise E.ArtifactError(E.BAD_MANIFEST, str(exc), field_) from None
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     dtypes = set()
-    for key, info in header.items():
+    for span in spans:
+        key = span.name
         m = _KEY.match(key)
         if not m:
             raise E.ArtifactError(
@@ -90,14 +94,12 @@ def inspect_weights(path: Path, *, allowed_modules=KNOWN_MODULES) -> AdapterWeig
             raise E.ArtifactError(
                 E.UNKNOWN_MODULE, f"tensor {key!r}: module {parent}.{module} is not served", field_
             )
-        shape = info.get("shape") if isinstance(info, dict) else None
-        if not (
-            isinstance(shape, list) and len(shape) == 2 and all(isinstance(d, int) and d > 0 for d in shape)
-        ):
+        shape = list(span.shape)
+        if len(shape) != 2 or not all(d > 0 for d in shape):
             raise E.ArtifactError(
                 E.SHAPE_MISMATCH, f"tensor {key!r} has shape {shape!r}, expected 2-D", field_
             )
-        dtypes.add(info.get("dtype"))
+        dtypes.add(span.dtype)
         pairs.setdefault((layer, module), {})[ab] = shape
     if not pairs:
         raise E.ArtifactError(E.BAD_MANIFEST, "no LoRA tensors", field_)
@@ -154,8 +156,8 @@ def expected_shapes(base_config: dict) -> tuple[int, dict[str, tuple[int, int]]]
 def check_against_base(weights_path: Path, base_config: dict) -> None:
     """Every lora_A is [r, in] and lora_B is [out, r] for the base's projection; layers exist."""
     n_layers, shapes = expected_shapes(base_config)
-    header, _ = read_safetensors_header(Path(weights_path))
-    for key, info in header.items():
+    for span in read_layout(Path(weights_path), WEIGHTS_FILE):
+        key, info = span.name, {"shape": list(span.shape)}
         m = _KEY.match(key)
         layer, module, ab = int(m[1]), m[3], m[4]
         if layer >= n_layers:

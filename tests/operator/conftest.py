@@ -55,6 +55,9 @@ def _build(tmp: pathlib.Path, s3) -> Artifacts:
     bucket, prefix = uris["bad_signature"].removeprefix("s3://").split("/", 1)
     other_sig = (v2.folder / "loraplane-manifest.sig").read_bytes()  # a valid signature, of other bytes
     client.put_object(Bucket=bucket, Key=prefix + "loraplane-manifest.sig", Body=other_sig)
+    add("nested_signature", "nested", "v1")  # a signature file of 4000 '[': a reason, never a crash
+    bucket, prefix = uris["nested_signature"].removeprefix("s3://").split("/", 1)
+    client.put_object(Bucket=bucket, Key=prefix + "loraplane-manifest.sig", Body=b"[" * 4000)
     return Artifacts(s3, keys, uris, digests)
 
 

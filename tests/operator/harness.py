@@ -20,11 +20,15 @@ from loraplane.operator import builders as B
 from loraplane.operator import handlers
 from loraplane.operator.context import Context, Tunables
 from loraplane.operator.kube import Kube
+from loraplane.operator.policy import SECRET_LABEL, OperatorPolicy
 from tests.operator.fake_admin import FakePod
 
 API = "loraplane.dev/v1alpha1"
 TOKEN = "test-admin-token"
 _ips = itertools.count(2)  # 127.0.0.N for fake pods, unique across the test session
+# The S3 endpoints the test Worlds use (their moto server, and a port where nothing listens): the
+# operator's default policy in these tests allows exactly these.
+TEST_ENDPOINTS: set[str] = {"http://127.0.0.1:9"}
 
 
 def fast_tunables(**overrides) -> Tunables:
@@ -35,8 +39,11 @@ def fast_tunables(**overrides) -> Tunables:
 
 
 class OperatorThread:
-    def __init__(self, emulator, namespace: str, tunables: Tunables | None = None):
-        self.ctx = Context(Kube(emulator.api_client()), tunables or fast_tunables())
+    def __init__(
+        self, emulator, namespace: str, tunables: Tunables | None = None, policy: OperatorPolicy | None = None
+    ):
+        policy = policy or OperatorPolicy(allowed_s3_endpoints=tuple(sorted(TEST_ENDPOINTS)))
+        self.ctx = Context(Kube(emulator.api_client()), tunables or fast_tunables(), policy=policy)
         self.namespace = namespace
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
         self.failure: BaseException | None = None
@@ -114,15 +121,17 @@ class World:
         )
         self.pods: dict[str, FakePod] = {}  # pod name -> fake server
         self.max_rank = max_rank
+        TEST_ENDPOINTS.add(s3.url)
         emulator.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
         self.secret("admin-token", {"token": TOKEN})
         self.secret("signers", {"release.pem": keys.public_pem.decode()})
         self.secret("s3", {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key})
 
-    def secret(self, name: str, data: dict[str, str]) -> None:
+    def secret(self, name: str, data: dict[str, str], labeled: bool = True) -> None:
+        """A Secret; ``labeled``: carries the label that lets the operator use it."""
         encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
-        self.emu.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": self.ns},
-                         "data": encoded})  # fmt: skip
+        metadata = {"name": name, "namespace": self.ns, "labels": {SECRET_LABEL: "true"} if labeled else {}}
+        self.emu.create({"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "data": encoded})
 
     def base_manifest(self, name: str = "demo", replicas: int = 2, endpoint: str | None = None) -> dict:
         return {

@@ -41,6 +41,7 @@ def test_every_reason(world, artifacts):
     world.create_base("offline", replicas=1, endpoint="http://127.0.0.1:9")  # nothing listens on 9
     cases = {
         "bad-signature": ("bad_signature", "BadSignature", {}),
+        "nested-signature": ("nested_signature", "BadSignature", {}),
         "unsigned": ("unsigned", "Unsigned", {}),
         "unknown-key": ("unknown_key", "UnknownKey", {}),
         "base-mismatch": ("base_mismatch", "BaseMismatch", {}),
