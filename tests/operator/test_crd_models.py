@@ -47,7 +47,12 @@ def with_(kind: str, path: str, value) -> dict:
     return obj
 
 
-DELETE = object()
+class _Delete:
+    def __repr__(self) -> str:
+        return "<removed>"
+
+
+DELETE = _Delete()
 BASE, ADAPTER = "LoRABase", "LoRAAdapter"
 INVALID = [
     # (kind, where, value, the field both must name)
@@ -170,3 +175,19 @@ def test_status_is_written_through_the_model():
         status_patch("loraadapters", {"conditions": [{"type": "Ready", "status": "Yes"}]})
     with pytest.raises(ValueError, match="state"):
         status_patch("loraadapters", {"pods": [{"name": "p", "state": "Sleeping"}]})
+
+
+def test_the_operator_refuses_an_adapter_name_no_url_segment_should_carry():
+    """Where no API server ran the CEL rules (an older cluster, a restore), the operator itself refuses the
+    242-character dotted name: InvalidSpec naming metadata.name, before any pod's admin URL is built."""
+    import asyncio
+
+    from loraplane.operator import conditions as C
+    from loraplane.operator.reconcile_adapter import run_pass
+
+    adapter = with_(ADAPTER, "metadata.name", "chat." * 48 + "v1")
+    adapter["metadata"]["namespace"] = "ns"
+    verdict, views = asyncio.run(run_pass(None, adapter, None, []))
+    status, reason, message = verdict.conditions[C.VALIDATED]
+    assert (status, reason, views) == (C.FALSE, "InvalidSpec", [])
+    assert message.startswith("metadata.name: metadata.name must be at most 63 characters")
