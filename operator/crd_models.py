@@ -7,7 +7,9 @@ operator parses specs with them, so the API server and the operator refuse the s
 error names the field as kubectl shows it (``spec.engine.maxRank``).
 
 Python names are snake_case; the API's camelCase comes from aliases. Parsing is strict (no "3" for 3),
-as the API server's schema is; unknown fields are ignored, as the API server prunes them.
+as the API server's schema is; unknown fields are ignored and nulls are absent, as the API server
+prunes both. Status sections and the whole objects: crd_objects.py; the base model, Rule and SpecError:
+crd_base.py.
 """
 
 from __future__ import annotations

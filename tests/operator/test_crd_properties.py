@@ -20,7 +20,7 @@ from tests.operator.crd_schema import crd_schema, field_paths, instances, near_m
 
 MODELS = {"LoRABase": LoRABase, "LoRAAdapter": LoRAAdapter}
 # No shrinking: a failing object is small enough to read, and shrinking one can take minutes.
-SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+SETTINGS = settings(max_examples=100, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])  # fmt: skip
 NAMES = st.one_of(
     st.from_regex(r"[a-z]([-a-z0-9]{0,70}[a-z0-9])?", fullmatch=True),
@@ -143,7 +143,7 @@ def test_each_field_at_its_edges_is_judged_alike(kind, where):
     spec_schema = crd_schema(kind)["properties"]["spec"]
     leaf = node_at(spec_schema, where)
 
-    @settings(SETTINGS, max_examples=25)
+    @settings(SETTINGS, max_examples=20)
     @given(st.data())
     def run(data):
         obj = copy.deepcopy(EXAMPLES[kind])
