@@ -20,7 +20,14 @@ from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec,
 from loraplane.operator.crd_objects import LoRAAdapter
 from loraplane.operator.kube import custom_ref
 from loraplane.operator.publish import post_event, publish
-from loraplane.operator.validation import ValidationFailed, check_base_policy, labeled_secret, validate
+from loraplane.operator.validation import (
+    ValidationFailed,
+    check_base_policy,
+    check_identity,
+    check_not_older,
+    labeled_secret,
+    validate,
+)
 
 
 @dataclass(slots=True)
@@ -214,6 +221,8 @@ async def run_pass(
         return verdict, views
     try:
         verified = await validate(ctx, namespace, base_spec, spec)
+        check_identity(meta["name"], spec.version, verified)
+        await check_not_older(ctx, namespace, base_spec, spec, adapter.get("status") or {}, verified)
     except ValidationFailed as exc:
         verdict.fail(exc.reason, exc.message, validated=C.UNKNOWN if exc.transient else C.FALSE)
         return verdict, await restore(ctx, adapter, spec, pods, token)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import dataclass
 
 import boto3
 from botocore.config import Config
@@ -112,7 +113,57 @@ async def trusted_keys(ctx: Context, namespace: str, spec: BaseSpec) -> dict[str
         raise ValidationFailed(exc.reason, exc.message) from None
 
 
-async def validate(ctx: Context, namespace: str, base: BaseSpec, adapter: AdapterSpec) -> VerifiedManifest:
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a version lives, and the digest it must have (what validate() reads of an AdapterSpec)."""
+
+    uri: str
+    manifest_digest: str | None
+
+
+def check_identity(name: str, version: str, verified: VerifiedManifest) -> None:
+    """The signed manifest is the adapter this object names: its name and its version."""
+    manifest = verified.manifest
+    for field_, want, signed in (
+        ("metadata.name", name, manifest.name),
+        ("spec.version", version, manifest.version),
+    ):
+        if want != signed:
+            raise ValidationFailed(
+                C.IDENTITY_MISMATCH, f"{field_} is {want!r}, the signed manifest says {signed!r}"
+            )
+
+
+async def check_not_older(
+    ctx: Context, namespace: str, base: BaseSpec, spec: AdapterSpec, status: dict, verified: VerifiedManifest
+) -> None:
+    """Rollback protection: without a pinned digest, a version signed before the one it replaces is
+    refused. Anyone who can write to the bucket can copy an old signed version to a new prefix; only a
+    spec that pins the digest (``spec.source.manifestDigest``) may go back on purpose."""
+    serving, source = status.get("digest"), status.get("servingSource")
+    if spec.manifest_digest is not None or not serving or not source or serving == verified.digest:
+        return
+    try:
+        previous = await validate(ctx, namespace, base, Source(source, serving))
+    except ValidationFailed as exc:
+        raise ValidationFailed(
+            C.ROLLBACK_REFUSED,
+            f"cannot read the serving version at {source} to compare creation times ({exc.reason}); "
+            "pin spec.source.manifestDigest to replace it anyway",
+            transient=exc.transient,
+        ) from None
+    if verified.manifest.created < previous.manifest.created:
+        raise ValidationFailed(
+            C.ROLLBACK_REFUSED,
+            f"{spec.version} was signed at {verified.manifest.created}, before the serving "
+            f"{previous.manifest.version} ({previous.manifest.created}); pin spec.source.manifestDigest "
+            "to roll back on purpose",
+        )
+
+
+async def validate(
+    ctx: Context, namespace: str, base: BaseSpec, adapter: AdapterSpec | Source
+) -> VerifiedManifest:
     """The verified manifest, or ValidationFailed with a documented reason."""
     keys = await trusted_keys(ctx, namespace, base)
     fingerprint = hashlib.sha256(b"".join(sorted(keys.values()))).hexdigest()

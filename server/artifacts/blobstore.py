@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import threading
 import time
@@ -160,9 +161,38 @@ class BlobStore:
     # --- housekeeping --------------------------------------------------------------------------------
 
     def _sweep_tmp(self) -> None:
-        """Leftovers of crashed pulls (older than an hour, so live writers of other processes are safe)."""
+        """Leftovers of pulls that died (kill -9, OOM kill), found at the next start of any pull.
+
+        A download's ``<sha256>.<pid>.<thread>.part`` is written under its blob lock, and a folder under
+        construction ``adapter-<digest>.<uuid>`` under its adapter lock: when that lock is free, the writer
+        is gone. Eviction trash (``evicted-*``) is never read. Anything else goes after an hour."""
         cutoff = time.time() - 3600
         for entry in os.scandir(self.root / "tmp"):
+            head = entry.name.split(".", 1)[0]
             with suppress(FileNotFoundError):
-                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                    shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
+                if entry.name.endswith(".part") and _HEX64.fullmatch(head):
+                    lock = self._lock("blob", head)
+                elif entry.name.startswith("adapter-") and _HEX64.fullmatch(head.removeprefix("adapter-")):
+                    lock = self._lock("adapter", head.removeprefix("adapter-"))
+                elif entry.name.startswith("evicted-") or entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    lock = None
+                else:
+                    continue
+                if lock is None:
+                    _remove(entry)
+                    continue
+                with flock(lock, blocking=False) as writer_gone:
+                    if writer_gone:
+                        _remove(entry)
+                        self._count("swept")
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _remove(entry: os.DirEntry) -> None:
+    if entry.is_dir(follow_symlinks=False):
+        shutil.rmtree(entry.path, ignore_errors=True)
+    else:
+        with suppress(FileNotFoundError):
+            os.unlink(entry.path)

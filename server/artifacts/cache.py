@@ -121,6 +121,7 @@ class HostCache(BlobStore):
         ``acquire=True`` marks the result in use before returning; call ``release(digest)`` when done.
         """
         policy = Policy(expected_base_hash, pinned_digest, max_rank, allowed_modules, self.max_file_bytes)
+        self._sweep_tmp()  # what pulls killed earlier (kill -9) left behind, outside the byte budget
         if policy.pinned_digest is not None:
             local = self._open_local(
                 policy.pinned_digest.removeprefix("sha256:"), trusted_keys, policy, acquire

@@ -35,6 +35,7 @@ from loraplane.server.artifacts.peft import (
     check_against_base,
     check_rank,
     inspect_weights,
+    module_scaling,
     read_adapter_config,
 )
 from loraplane.server.artifacts.signing import parse_signature, sign_bytes
@@ -93,6 +94,7 @@ def pack_folder(
     config = read_adapter_config(folder / CONFIG_FILE)
     weights = inspect_weights(folder / WEIGHTS_FILE)
     check_rank(weights.ranks, max_rank, WEIGHTS_FILE)
+    scaling = module_scaling(config, weights)  # the config's r and patterns must fit the weights
     if base_dir is not None:
         base_config_path = Path(base_dir) / "config.json"
         try:
@@ -108,6 +110,8 @@ def pack_folder(
         base_model_hash=normalize_base_hash(base_hash, "base_hash"),
         ranks=weights.ranks,
         alpha=config.alpha,
+        alphas=scaling.alphas,
+        scales=scaling.scales,
         target_modules=tuple(weights.ranks),
         dtype=weights.dtype,
         files=files,

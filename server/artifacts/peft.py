@@ -9,8 +9,9 @@ and lora_B [out, r].
 from __future__ import annotations
 
 import json
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplane.server.artifacts import errors as E
@@ -31,6 +32,8 @@ class AdapterConfig:
     rank: int
     alpha: float
     use_rslora: bool
+    rank_pattern: dict = field(default_factory=dict)  # PEFT: regex key -> rank, first match wins
+    alpha_pattern: dict = field(default_factory=dict)  # PEFT: regex key -> lora_alpha
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +41,76 @@ class AdapterWeights:
     ranks: dict[str, int]  # module -> largest rank over layers
     dtype: str  # float32 | float16 | bfloat16
     layers: tuple[int, ...]  # layer indices that carry at least one LoRA pair
+    pair_ranks: dict = field(default_factory=dict)  # (layer, module) -> rank
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleScaling:
+    """What PEFT's LoraLayer uses for each module: its rank, its lora_alpha, and scaling."""
+
+    ranks: dict[str, int]
+    alphas: dict[str, float]
+    scales: dict[str, float]
+
+
+def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
+    """PEFT's ``LoraLayer.update_layer``: alpha / sqrt(r) with rsLoRA, else alpha / r."""
+    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
+
+
+def _pattern_value(patterns: dict, key: str, default, field_: str):
+    r"""PEFT's ``get_pattern_key``: the first pattern ``p`` (in file order) with ``(.*\.)?(p)$`` matching ``key``."""
+    for pattern, value in patterns.items():
+        try:
+            if re.match(rf"(.*\.)?({pattern})$", key):
+                return value
+        except re.error as exc:
+            raise E.ArtifactError(
+                E.BAD_MANIFEST, f"not a regular expression ({exc})", f"{field_}.{pattern}"
+            ) from None
+    return default
+
+
+def module_scaling(config: AdapterConfig, weights: AdapterWeights) -> ModuleScaling:
+    """Per-module rank, alpha and scale as PEFT computes them for each layer; the config's ``r`` and
+    ``rank_pattern`` must give the ranks the weights hold, and each module one value over its layers."""
+    per_module: dict[str, set[tuple[int, float]]] = {}
+    for (layer, module), rank in sorted(weights.pair_ranks.items()):
+        key = f"model.layers.{layer}.{_PARENT[module]}.{module}"  # the name PEFT matches patterns against
+        want = _pattern_value(config.rank_pattern, key, config.rank, f"{CONFIG_FILE}.rank_pattern")
+        if want != rank:
+            where = "rank_pattern" if want != config.rank else "r"
+            raise E.ArtifactError(
+                E.RANK_MISMATCH,
+                f"layer {layer} {module}: the config gives rank {want}, the weights hold rank {rank}",
+                f"{CONFIG_FILE}.{where}",
+            )
+        alpha = _pattern_value(config.alpha_pattern, key, config.alpha, f"{CONFIG_FILE}.alpha_pattern")
+        per_module.setdefault(module, set()).add((rank, float(alpha)))
+    ranks, alphas, scales = {}, {}, {}
+    for module, values in sorted(per_module.items()):
+        if len(values) != 1:
+            raise E.ArtifactError(
+                E.BAD_MANIFEST,
+                f"{module}: layers differ in (rank, alpha) {sorted(values)}; one value per module is served",
+                f"{CONFIG_FILE}.rank_pattern",
+            )
+        ((rank, alpha),) = values
+        ranks[module], alphas[module] = rank, alpha
+        scales[module] = lora_scale(alpha, rank, config.use_rslora)
+    return ModuleScaling(ranks, alphas, scales)
+
+
+def _patterns(cfg: dict, name: str, kind: type) -> dict:
+    field_ = f"{CONFIG_FILE}.{name}"
+    value = cfg.get(name) or {}
+    if not isinstance(value, dict) or len(value) > 1024:
+        raise E.ArtifactError(E.BAD_MANIFEST, "must be an object pattern -> value", field_)
+    for pattern, item in value.items():
+        number = not isinstance(item, bool) and isinstance(item, kind) and item > 0
+        if not number or not 0 < len(pattern) <= 256:
+            raise E.ArtifactError(E.BAD_MANIFEST, f"{item!r} is not a positive {kind}", f"{field_}.{pattern}")
+    return value
 
 
 def read_adapter_config(path: Path) -> AdapterConfig:
@@ -63,14 +136,18 @@ def read_adapter_config(path: Path) -> AdapterConfig:
         raise E.ArtifactError(
             E.BAD_MANIFEST, "modules_to_save (full weights) is not served", f"{field_}.modules_to_save"
         )
-    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # PEFT's LoraConfig defaults: lora_alpha=8
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise E.ArtifactError(E.BAD_MANIFEST, f"r={rank!r} is not a positive integer", f"{field_}.r")
     if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
         raise E.ArtifactError(E.BAD_MANIFEST, f"lora_alpha={alpha!r} is not positive", f"{field_}.lora_alpha")
-    if cfg.get("alpha_pattern"):
-        raise E.ArtifactError(E.BAD_MANIFEST, "alpha_pattern is not served", f"{field_}.alpha_pattern")
-    return AdapterConfig(rank=rank, alpha=float(alpha), use_rslora=bool(cfg.get("use_rslora", False)))
+    return AdapterConfig(
+        rank=rank,
+        alpha=float(alpha),
+        use_rslora=bool(cfg.get("use_rslora", False)),
+        rank_pattern=_patterns(cfg, "rank_pattern", int),
+        alpha_pattern=_patterns(cfg, "alpha_pattern", int | float),
+    )
 
 
 def inspect_weights(path: Path, *, allowed_modules=KNOWN_MODULES) -> AdapterWeights:
@@ -124,6 +201,7 @@ def inspect_weights(path: Path, *, allowed_modules=KNOWN_MODULES) -> AdapterWeig
         ranks=dict(sorted(ranks.items())),
         dtype=_DTYPES[next(iter(dtypes))],
         layers=tuple(sorted({layer for layer, _ in pairs})),
+        pair_ranks={key: ab["A"][0] for key, ab in sorted(pairs.items())},
     )
 
 

@@ -45,6 +45,7 @@ def _build(tmp: pathlib.Path, s3) -> Artifacts:
     add("v1", "chat", "v1")
     v2 = add("v2", "chat", "v2")
     add("v3", "chat", "v3")
+    add("support_bot", "support-bot", "v1")  # examples/loraadapter.yaml's name: identity is signed
     add("unknown_key", "stranger", "v1", signer=strangers)
     add("base_mismatch", "other-base", "v1", base=OTHER_BASE)
     add("rank_too_high", "big", "v1", rank=32)

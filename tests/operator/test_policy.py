@@ -10,6 +10,7 @@ import pytest
 
 from loraplane.operator import policy as P
 from loraplane.operator.cli import _parser, main, policy_of
+from tests.kube.errors import ApiError
 from tests.operator.harness import TEST_ENDPOINTS, OperatorThread, condition, wait_for
 from tests.s3_servers import free_port
 
@@ -142,8 +143,10 @@ def _base_reason(world, name: str, reason: str) -> dict:
 def _no_deployment(world, name: str) -> bool:
     try:
         world.get("Deployment", name)
-    except Exception:  # noqa: BLE001 - NotFound
-        return True
+    except ApiError as exc:
+        if exc.code == 404:
+            return True
+        raise
     return False
 
 
