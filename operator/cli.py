@@ -3,7 +3,7 @@
     loraplane operator run --namespace ml-serving [--namespace other] [--standalone] \\
         [--liveness http://0.0.0.0:8080/healthz] [--metrics-port 9090] [--peering loraplane]
     loraplane operator run --all-namespaces
-    loraplane operator crds [--write DIR | --check DIR]
+    loraplane operator crds [--write [DIR] | --check [DIR]]   (DIR: crds/)
 
 The Kubernetes configuration is loaded once, explicitly: ``--kubeconfig`` (or $KUBECONFIG, read
 here and passed on by path), else the in-cluster service account.

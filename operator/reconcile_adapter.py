@@ -17,6 +17,7 @@ from loraplane.operator.admin_client import AdminError, LoadRequest, PodAddress
 from loraplane.operator.builders import admin_token_key, admin_token_secret_name
 from loraplane.operator.context import Context
 from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec, SpecError
+from loraplane.operator.crd_objects import LoRAAdapter
 from loraplane.operator.kube import custom_ref
 from loraplane.operator.publish import post_event, publish
 from loraplane.operator.validation import (
@@ -199,7 +200,7 @@ async def run_pass(
     meta = adapter["metadata"]
     namespace = meta["namespace"]
     try:
-        spec = AdapterSpec.parse(adapter.get("spec") or {})
+        spec = LoRAAdapter.parse(adapter).spec  # its name too: it goes into URLs and metric labels
     except SpecError as exc:
         verdict.fail("InvalidSpec", str(exc), validated=C.FALSE)
         return verdict, views

@@ -15,6 +15,7 @@ from loraplane.operator import metrics
 from loraplane.operator.admin_client import AdminError, PodAddress
 from loraplane.operator.context import Context
 from loraplane.operator.crd_models import BASE_PLURAL, BaseSpec, SpecError
+from loraplane.operator.crd_objects import LoRABase
 from loraplane.operator.kube import custom_ref
 from loraplane.operator.pods import PodInfo
 from loraplane.operator.publish import publish
@@ -107,7 +108,7 @@ async def reconcile(ctx: Context, base: dict, infos: list[PodInfo]) -> float:
             await publish(ctx, base, ref, first)
             base = {**base, "status": first}
         try:
-            spec = BaseSpec.parse(base.get("spec") or {})
+            spec = LoRABase.parse(base).spec
         except SpecError as exc:
             await publish(ctx, base, ref, invalid_status(base, "InvalidSpec", str(exc)))
             outcome["result"] = "invalid"
