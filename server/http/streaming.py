@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 from fastapi import Request
 
+from loraplane.server.engine.api import OverloadedError
 from loraplane.server.engine.async_engine import AsyncEngine, EngineDeadError
 from loraplane.server.engine.llm_engine import RequestOutput
 
-from .errors import SERVER_ERROR, APIError
+from .errors import SERVER_ERROR, APIError, engine_stopped, too_many_requests
 from .protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -31,6 +32,7 @@ from .protocol import (
     TopLogprob,
     Usage,
 )
+from .runs import RequestFailed
 
 log = logging.getLogger("loraplane.http")
 
@@ -100,11 +102,23 @@ async def sse(
             async for out in outputs:
                 for chunk in render(out):
                     yield f"data: {chunk}\n\n"
-        except EngineDeadError as exc:  # the status line is long gone: report in-band, as OpenAI does
-            log.error("engine died during %s: %s", request_id, exc)
-            error = APIError(503, "the engine stopped; the server must be restarted", type=SERVER_ERROR)
-            yield f"data: {json.dumps(error.body().model_dump())}\n\n"
+        except Exception as exc:  # the status line is long gone: report in-band, as OpenAI does
+            yield f"data: {json.dumps(in_band_error(request_id, exc).body().model_dump())}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def in_band_error(request_id: str, exc: Exception) -> APIError:
+    """What a stream that already answered 200 says when its request fails midway."""
+    if isinstance(exc, EngineDeadError):
+        log.error("engine died during %s: %s", request_id, exc)
+        return engine_stopped()
+    if isinstance(exc, OverloadedError):
+        return too_many_requests(f"the server is overloaded: {exc}", exc.retry_after_s, "overloaded")
+    if isinstance(exc, RequestFailed):
+        log.error("request %s failed: %s", request_id, exc)
+        return APIError(500, f"the request failed: {exc}", type=SERVER_ERROR, code="request_failed")
+    log.exception("request %s failed", request_id)
+    return APIError(500, "internal server error", type=SERVER_ERROR)
 
 
 # --- logprobs -----------------------------------------------------------------------------------------------
