@@ -44,6 +44,9 @@ def build_engine(options: ServeOptions, tokenizer, engine_class=None):
     )
     if options.kv_cache_fraction is not None:
         config = dataclasses.replace(config, gpu_memory_utilization=options.kv_cache_fraction)
+    adapters = {"max_lora_rank": options.max_rank, "lora_pool_bytes": options.gpu_adapter_bytes,
+                "lora_host_bytes": options.host_adapter_bytes}  # fmt: skip
+    config = dataclasses.replace(config, **{k: v for k, v in adapters.items() if v is not None})
     return (engine_class or AsyncEngine)(LLMEngine(config, tokenizer=tokenizer))
 
 

@@ -127,7 +127,9 @@ class AdapterManager:
             self.metrics.loads.inc()
             entry.state = LOADED
             started = time.perf_counter()
-            await self.engine.warm_adapter(spec.name, spec.version, gpu=spec.gpu)
+            # A version is warm only once a real forward ran through it, so the warm-up runs on the device
+            # whatever ``warm`` asked; "host" only means the pod need not keep it there (the tiers' LRU decides).
+            await self.engine.warm_adapter(spec.name, spec.version, gpu=True)
             self._phase(entry, "warm", time.perf_counter() - started)
             if spec.pin:
                 self._pin_cache(local.digest, True)
@@ -155,7 +157,7 @@ class AdapterManager:
         """Nothing half-loaded: unload from the engine, release and unpin the cache entry."""
         if loaded:
             try:
-                await asyncio.shield(self.engine.unload_adapter(entry.spec.name, entry.spec.version))
+                await asyncio.shield(unload_from(self.engine, entry.spec.name, entry.spec.version))
             except Exception:  # noqa: BLE001 - already failing; the entry shows the first error
                 log.exception("could not unload %s after a failed load", entry.key)
         if entry.cache_digest is not None:
@@ -194,9 +196,19 @@ class AdapterManager:
                 if entry.cache_digest is not None:
                     self._pin_cache(entry.cache_digest, False)
                     self._release(entry.cache_digest)
-        unloaded = await self.engine.unload_adapter(name, version)
+        unloaded = await unload_from(self.engine, name, version)
         self.metrics.unloads.inc(len(unloaded))
         return sorted(set(gone) | set(unloaded))
+
+
+async def unload_from(engine, name: str, version: str | None) -> list[str]:
+    """The engine's unload, with "nothing of that name" as an empty answer."""
+    try:
+        return await engine.unload_adapter(name, version)
+    except AdapterError as exc:
+        if exc.reason == "AdapterNotFound":
+            return []
+        raise
 
 
 def _fields(spec: LoadSpec) -> dict:

@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplane.server.engine.api import AdapterError
 
-from .adapters import FAILED, WARM, AdapterManager, LoadFailed, LoadSpec
+from .adapters import FAILED, WARM, AdapterManager, LoadFailed, LoadSpec, unload_from
 from .app import ServerState, health, liveness
 from .auth import bearer_token
 from .errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR
@@ -207,7 +207,7 @@ def _add_routes(app: FastAPI, state: ServerState, manager: AdapterManager | None
         if manager is not None:
             gone = await manager.unload(name, version)
         else:
-            gone = await engine.unload_adapter(name, version)
+            gone = await unload_from(engine, name, version)
             state.metrics.unloads.inc(len(gone))
         if not gone:
             what = f"{name}@{version}" if version else name
