@@ -88,7 +88,7 @@ class RequestLog:
     def _record(self, scope, status: int, seconds: float) -> None:
         state = scope.get("state") or {}
         endpoint = endpoint_of(scope["path"])
-        adapter = state.get("adapter_label", "base") if endpoint != "other" else "none"
+        adapter = state.get("adapter_label", "none")  # "none": refused before `model` was resolved
         if endpoint != "other":
             self.metrics.requests.labels(endpoint, str(status), adapter).inc()
             if endpoint != "/v1/models":
