@@ -116,7 +116,8 @@ async def prepare(app) -> None:
             await state.engine.warm_adapter(name, local.version, gpu=True)
             await state.engine.set_alias(name, local.version)
         except (ArtifactError, AdapterError) as exc:
-            raise ValueError(f"adapter: {name}={folder}: {exc.reason}: {exc}") from None
+            detail = f"{exc.field}: {exc.message}" if getattr(exc, "field", None) else exc.message
+            raise ValueError(f"adapter: {name}={folder}: {exc.reason}: {detail}") from None
         log.info("serving adapter %s@%s from %s (%s)", name, local.version, folder, local.digest)
 
 

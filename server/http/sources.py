@@ -95,6 +95,9 @@ def open_local_folder(folder: Path, trusted_keys: dict[str, bytes] | None, info:
     started = time.perf_counter()
     signed = (folder / MANIFEST_FILE).is_file() and (folder / SIGNATURE_FILE).is_file()
     if trusted_keys:
+        if not signed:
+            raise E.ArtifactError(E.UNSIGNED, "trusted keys are configured, so every adapter must be signed "
+                                  "(loraplane adapter pack, then sign)", str(folder))  # fmt: skip
         verified = verify_folder(folder, trusted_keys=trusted_keys, policy=policy_for(info))
         return LocalPull(
             folder, verified.digest, verified.manifest.version, 0.0, time.perf_counter() - started
