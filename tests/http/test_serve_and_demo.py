@@ -149,3 +149,13 @@ def test_adapter_flag_parses_and_names_its_field(tiny_chat_model_dir, tmp_path):
                             ((("a", str(tmp_path)), ("a", str(tmp_path))), "given twice")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):
             serve.ServeOptions(model=str(tiny_chat_model_dir), adapters=adapters)
+
+
+def test_demo_serves_every_adapter_folder_it_finds(tmp_path):
+    (tmp_path / "french").mkdir()
+    (tmp_path / "french" / "adapter_config.json").write_text("{}")
+    (tmp_path / "notes").mkdir()  # no adapter_config.json: not an adapter
+    assert demo.demo_adapters(tmp_path) == [("french", str(tmp_path / "french"))]
+    assert demo.demo_adapters(tmp_path / "missing") == []
+    banner = demo.usage_banner("127.0.0.1", 8000, adapters=("french",))
+    assert "with adapters french" in banner and 'model="french"' in banner
