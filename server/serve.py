@@ -32,7 +32,6 @@ def load_tokenizer(model_dir: str):
 def build_engine(options: ServeOptions, tokenizer, engine_class=None):
     from loraplane.server.engine.async_engine import AsyncEngine
     from loraplane.server.engine.config import EngineConfig
-    from loraplane.server.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         model=options.model,
@@ -47,7 +46,7 @@ def build_engine(options: ServeOptions, tokenizer, engine_class=None):
     adapters = {"max_lora_rank": options.max_rank, "lora_pool_bytes": options.gpu_adapter_bytes,
                 "lora_host_bytes": options.host_adapter_bytes}  # fmt: skip
     config = dataclasses.replace(config, **{k: v for k, v in adapters.items() if v is not None})
-    return (engine_class or AsyncEngine)(LLMEngine(config, tokenizer=tokenizer))
+    return (engine_class or AsyncEngine).from_config(config, tokenizer)
 
 
 def resolve_model(options: ServeOptions) -> ServeOptions:
@@ -179,18 +178,12 @@ def run(options: ServeOptions, on_ready=None) -> int:
     token = read_admin_token(options.admin_token_file) if options.admin_token_file else None  # fail fast
     app, engine = build_app(options)
     try:
-        servers = [uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
-                                                 log_level=options.log_level, access_log=False))]  # fmt: skip
+        # Our RequestLog writes the access lines; uvicorn's own lines go through the root logger (JSON too).
+        quiet = dict(host=options.host, log_level=options.log_level, access_log=False, log_config=None)
+        servers = [uvicorn.Server(uvicorn.Config(app, port=options.port, **quiet))]
         if token is not None:
             admin = build_admin_app(app, token)
-            config = uvicorn.Config(
-                admin,
-                host=options.host,
-                port=options.admin_port,
-                log_level=options.log_level,
-                access_log=False,
-            )
-            servers.append(uvicorn.Server(config))
+            servers.append(uvicorn.Server(uvicorn.Config(admin, port=options.admin_port, **quiet)))
         if on_ready is not None:
             on_ready(app)
         asyncio.run(serve_all(servers, before=prepare(app)))

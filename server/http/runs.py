@@ -13,14 +13,17 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from loraplane.server.engine.api import OverloadedError
 from loraplane.server.engine.async_engine import EngineDeadError
-from loraplane.server.engine.llm_engine import RequestOutput
 
 from .limits import Ticket
 from .metrics import Metrics
 from .models import Target
+
+if TYPE_CHECKING:  # the HTTP side imports only the engine's public modules at run time
+    from loraplane.server.engine.llm_engine import RequestOutput
 
 log = logging.getLogger("loraplane.http")
 

@@ -13,12 +13,12 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
 from loraplane.server.engine.api import OverloadedError
 from loraplane.server.engine.async_engine import AsyncEngine, EngineDeadError
-from loraplane.server.engine.llm_engine import RequestOutput
 
 from .errors import SERVER_ERROR, APIError, engine_stopped, too_many_requests
 from .protocol import (
@@ -33,6 +33,9 @@ from .protocol import (
     Usage,
 )
 from .runs import RequestFailed
+
+if TYPE_CHECKING:  # the HTTP side imports only the engine's public modules at run time
+    from loraplane.server.engine.llm_engine import RequestOutput
 
 log = logging.getLogger("loraplane.http")
 
