@@ -88,8 +88,11 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         prompt_token_ids = list(prompt_token_ids)
         self.engine.check_request(prompt_token_ids, sampling)
-        if adapter is not None:
-            self._lora("adapter").get(adapter)  # AdapterError('AdapterNotFound') for unknown or unloaded
+        if adapter is not None:  # AdapterError('AdapterNotFound') for unknown or unloaded adapters
+            lora = self._lora(None)
+            if lora is None:
+                raise AdapterError("AdapterNotFound", f"adapter {adapter!r}: this engine serves no adapters")
+            lora.get(adapter)
         stream = _Stream(asyncio.get_running_loop())
         with self._cond:
             self._raise_if_dead()

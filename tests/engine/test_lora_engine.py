@@ -117,3 +117,51 @@ def test_qv_only_adapter_costs_its_own_bytes_and_no_other_module(setup):
     # a step of q,v-only tokens builds metadata for q and v only: the other five modules launch nothing
     metas = lora.prepare_step([("qv@v1", 3), (None, 2)], "decode")
     assert {m for m, meta in metas.items() if meta is not None} == {"q_proj", "v_proj"}
+
+
+# ------------------------------------------------------------------------------------------------------ GPU
+def gpu_engine(base, folders, dtype: str, enforce_eager: bool) -> LLMEngine:
+    cfg = EngineConfig(model=str(base), device="cuda", dtype=dtype, block_size=16, num_kv_blocks=128,
+                       max_num_seqs=16, max_num_batched_tokens=512, enforce_eager=enforce_eager)  # fmt: skip
+    engine = LLMEngine(cfg)
+    lora = engine.runner.lora
+    for name, folder in folders.items():
+        lora.register(name, "v1", folder, f"sha256:{name}", lora.parse(folder))
+    return engine
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_mixed_batch_close_to_peft(setup):
+    """Triton kernels in bf16: each row's logits against PEFT's fp32 mixed batch (bf16 rounding only)."""
+    base, folders = setup
+    engine = gpu_engine(base, folders, "bfloat16", enforce_eager=True)
+    rng = random.Random(3)
+    prompts = [rng.choices(range(256), k=9) for _ in MIX]
+    seqs = [Sequence(p, GREEDY, adapter=key(a)) for p, a in zip(prompts, MIX, strict=True)]
+    for i, seq in enumerate(seqs):
+        seq.block_table = [i]
+    logits = engine.runner.forward_logits(ScheduledBatch([ScheduledChunk(s, 0, 9, True) for s in seqs])).cpu()
+    ref_model = peft_reference(base, folders)
+    with torch.no_grad():
+        names = [a or "__base__" for a in MIX]
+        ref = ref_model(input_ids=torch.tensor(prompts), adapter_names=names).logits[:, -1].double()
+        with ref_model.disable_adapter():
+            base_ref = ref_model(input_ids=torch.tensor(prompts)).logits[:, -1].double()
+    for row, name in enumerate(MIX):
+        err = (logits[row].double() - ref[row]).norm().item()
+        assert err < 8e-2 * ref[row].norm().item(), (name, err)
+        if name is not None:  # bf16 rounding is far below what the adapter itself changes
+            assert err < 0.5 * (ref[row] - base_ref[row]).norm().item(), (name, err)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_decode_with_adapters_equals_eager_and_alone(setup):
+    base, folders = setup
+    rng = random.Random(4)
+    requests = [(rng.choices(range(256), k=rng.randint(3, 14)), a) for a in MIX]
+    graphs = gpu_engine(base, folders, "float32", enforce_eager=False)
+    assert graphs.runner.graphs is not None
+    mixed = run(graphs, requests)
+    assert mixed == run(gpu_engine(base, folders, "float32", enforce_eager=True), requests)
+    assert mixed == [run(graphs, [r])[0] for r in requests]
+    assert mixed == run(make_engine(base, folders), requests)  # and the CPU engine (exact against PEFT)
