@@ -99,11 +99,13 @@ def _start(request: Request, state: ServerState, principal: Principal, target: T
     return run, run.outputs(stream)
 
 
-async def _collect(request: Request, state: ServerState, request_id: str, outputs):
+async def _collect(request: Request, state: ServerState, request_id: str, outputs, prompt_param: str):
     try:
         return await collect(request, state.engine, request_id, outputs)
     except RequestFailed as exc:
         raise APIError(500, f"the request failed: {exc}", type=SERVER_ERROR, code="request_failed") from None
+    except ValueError as exc:
+        raise from_engine_value_error(exc, prompt_param) from None
 
 
 @router.post("/chat/completions")
@@ -126,7 +128,7 @@ async def chat_completions(
         render = ChatStream(request_id, body.model, created, include_usage, num_logprobs, texts)
         events = sse(request, state.engine, request_id, outputs, render)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-    result = await _collect(request, state, request_id, outputs)
+    result = await _collect(request, state, request_id, outputs, "messages")
     logprobs = None
     if num_logprobs is not None:
         logprobs = chat_logprobs(result.token_ids, result.logprobs, num_logprobs, texts)
@@ -163,7 +165,7 @@ async def completions(
         render = CompletionStream(request_id, body.model, created, include_usage, body.logprobs, texts)
         events = sse(request, state.engine, request_id, outputs, render)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-    result = await _collect(request, state, request_id, outputs)
+    result = await _collect(request, state, request_id, outputs, "prompt")
     logprobs = None
     if body.logprobs is not None:
         logprobs = completion_logprobs(result.token_ids, result.logprobs, body.logprobs, texts)

@@ -76,6 +76,14 @@ class Run:
         except (asyncio.CancelledError, GeneratorExit):
             cause = cause or "client"
             raise
+        except ValueError:  # refused on the engine thread: the request's own values (the route says 400)
+            cause = "error"
+            raise
+        except RequestFailed:
+            raise
+        except Exception as exc:  # anything else raised for this stream failed this request alone
+            cause = "error"
+            raise RequestFailed(str(exc)) from exc
         finally:
             (m.waiting if waiting else m.running).dec()
             self.ticket.release()

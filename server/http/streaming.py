@@ -117,6 +117,8 @@ def in_band_error(request_id: str, exc: Exception) -> APIError:
         return engine_stopped()
     if isinstance(exc, OverloadedError):
         return too_many_requests(f"the server is overloaded: {exc}", exc.retry_after_s, "overloaded")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_request")
     if isinstance(exc, RequestFailed):
         log.error("request %s failed: %s", request_id, exc)
         return APIError(500, f"the request failed: {exc}", type=SERVER_ERROR, code="request_failed")
