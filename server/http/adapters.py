@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +60,7 @@ class LoadSpec:
     uri: str
     digest: str | None  # the pinned manifest digest ("sha256:<hex>"), or None
     pin: bool = False
-    gpu: bool = True
+    gpu: bool = True  # what `warm` asked for (the warm-up forward runs on the device either way)
 
 
 @dataclass(slots=True)
@@ -80,13 +79,13 @@ class Entry:
         return adapter_key(self.spec.name, self.spec.version)
 
 
-Puller = Callable[[LoadSpec], "object"]  # blocking: returns a LocalAdapter (path, digest) or raises
-
-
 class AdapterManager:
     """Owns the entries; every method runs on the event loop thread."""
 
     def __init__(self, engine, metrics: Metrics, puller, release, pin_cache) -> None:
+        """``puller(spec)`` (blocking, run in a thread) returns a verified local folder (``path``, ``digest``,
+        ``download_s``, ``verify_s``) held in use; ``release(digest)`` and ``pin_cache(digest, pinned)`` act
+        on that host-cache entry."""
         self.engine, self.metrics = engine, metrics
         self._pull, self._release, self._pin_cache = puller, release, pin_cache
         self.entries: dict[str, Entry] = {}
@@ -96,10 +95,11 @@ class AdapterManager:
         """Start (or join) the load of ``spec``; wait up to ``wait_s`` for it to finish."""
         key = adapter_key(spec.name, spec.version)
         entry = self.entries.get(key)
-        if entry is not None and entry.spec.digest and spec.digest and entry.spec.digest != spec.digest:
+        held = entry and (entry.digest or entry.spec.digest)
+        if entry is not None and held and spec.digest and held != spec.digest:
             if entry.state != FAILED:
-                raise LoadFailed(409, "AdapterConflict", f"{key} is held with manifest digest "
-                                 f"{entry.spec.digest}, not {spec.digest}; unload it first")  # fmt: skip
+                raise LoadFailed(409, "AdapterConflict", f"{key} is held with manifest digest {held}, "
+                                 f"not {spec.digest}; unload it first")  # fmt: skip
             entry = None
         if entry is None or (entry.state == FAILED and (entry.task is None or entry.task.done())):
             entry = self.entries[key] = Entry(spec)

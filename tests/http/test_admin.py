@@ -60,6 +60,8 @@ def test_load_serve_swap_and_unload(clean):
     assert (entry["state"], entry["serving"], entry["digest"]) == ("warm", True, v1.digest)
     assert set(entry["timings"]) >= {"download", "verify", "load", "warm"}
     assert world.put("chat", v1).json()["state"] == "warm"  # idempotent
+    conflict = world.put("chat", v1, manifest_digest=v2.digest)  # the same name@version, another artifact
+    assert conflict.status_code == 409 and conflict.json()["reason"] == "AdapterConflict"
     second = world.put("chat", v2, pin=True)
     assert second.status_code == 200 and not second.json()["serving"]  # loaded beside the serving one
     listed = world.versions("chat")
