@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 import time
 
@@ -192,3 +193,37 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(world, engine):
         assert in_flight() == 1
     wait_until(lambda: in_flight() == 0 and not engine.engine.has_unfinished(), "the sequence freed")
     time.sleep(0.05)
+
+
+def test_json_access_lines_carry_the_request_id_and_never_a_key(world):
+    import logging
+
+    from loraplane.server.http.logs import JsonFormatter
+
+    lines: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    handler = Collect()
+    handler.setFormatter(JsonFormatter())
+    logger = logging.getLogger("loraplane.http")
+    logger.addHandler(handler)
+    level, _ = logger.level, logger.setLevel(logging.INFO)
+    try:
+        for key, model in (("key-a", "chat"), ("key-a", "tenant-b"), ("key-all", "support")):
+            httpx.post(f"{world.public.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
+                       headers={"Authorization": f"Bearer {key}", "X-Request-Id": f"req-{model}"})  # fmt: skip
+        # The access line is written once the response went out: the client may be back first.
+        wait_until(lambda: sum('"msg": "request"' in line for line in lines) == 3, "three access lines")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    access = [json.loads(line) for line in lines if '"msg": "request"' in line]
+    assert {(a["request_id"], a["status"], a["key"]) for a in access} == {
+        ("req-chat", 200, "tenant-a"),
+        ("req-tenant-b", 404, "tenant-a"),
+        ("req-support", 200, "platform"),
+    }
+    assert not any(key in line for line in lines for key in ("key-a", "key-all", "Bearer"))
