@@ -39,7 +39,8 @@ class LocalPull:
 
 def policy_for(info: EngineInfo, pinned_digest: str | None = None) -> Policy:
     base = info.base_hash if len(info.base_hash) == 64 else None  # an in-memory base has no hash to compare
-    return Policy(base, pinned_digest, info.max_lora_rank, frozenset(info.target_modules))
+    modules = frozenset(info.target_modules) or None  # an engine without adapters refuses them itself
+    return Policy(base, pinned_digest, info.max_lora_rank or None, modules)
 
 
 class S3Source:
