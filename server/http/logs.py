@@ -40,6 +40,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str)
 
 
+class TextFormatter(logging.Formatter):
+    """For people: the usual line, then the request id and the structured fields as key=value."""
+
+    def __init__(self) -> None:
+        super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        fields = dict(getattr(record, "fields", None) or {})
+        request_id = REQUEST_ID.get()
+        if request_id is not None:
+            fields = {"request_id": request_id, **fields}
+        extra = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+        return f"{super().format(record)} {extra}".rstrip()
+
+
 def configure(level: str = "info", json_lines: bool = True) -> None:
     """Log lines to stderr, as logging.basicConfig does: a process that set up logging already keeps it."""
     root = logging.getLogger()
@@ -50,7 +65,7 @@ def configure(level: str = "info", json_lines: bool = True) -> None:
     if json_lines:
         handler.setFormatter(JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(TextFormatter())
     root.addHandler(handler)
 
 
