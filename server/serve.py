@@ -29,7 +29,7 @@ def load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def build_engine(options: ServeOptions, tokenizer, engine_class=None):
+def build_engine(options: ServeOptions, tokenizer):
     from loraplane.server.engine.async_engine import AsyncEngine
     from loraplane.server.engine.config import EngineConfig
 
@@ -46,7 +46,7 @@ def build_engine(options: ServeOptions, tokenizer, engine_class=None):
     adapters = {"max_lora_rank": options.max_rank, "lora_pool_bytes": options.gpu_adapter_bytes,
                 "lora_host_bytes": options.host_adapter_bytes}  # fmt: skip
     config = dataclasses.replace(config, **{k: v for k, v in adapters.items() if v is not None})
-    return (engine_class or AsyncEngine).from_config(config, tokenizer)
+    return AsyncEngine.from_config(config, tokenizer)
 
 
 def resolve_model(options: ServeOptions) -> ServeOptions:
@@ -57,7 +57,7 @@ def resolve_model(options: ServeOptions) -> ServeOptions:
     return dataclasses.replace(options, model=str(local), served_model_name=options.model_name)
 
 
-def build_app(options: ServeOptions, *, engine_class=None):
+def build_app(options: ServeOptions):
     """(app, engine): the caller runs the app (after ``prepare``) and closes the engine."""
     from loraplane.server.http.app import create_app
     from loraplane.server.http.auth import ApiKeys
@@ -67,7 +67,7 @@ def build_app(options: ServeOptions, *, engine_class=None):
 
     api_keys = ApiKeys.from_file(options.api_keys_file) if options.api_keys_file else None
     tokenizer = load_tokenizer(options.model)
-    engine = build_engine(options, tokenizer, engine_class)
+    engine = build_engine(options, tokenizer)
     try:
         _check_base_hash(options, engine.info().base_hash)
         metrics = Metrics(options.metrics_adapter_labels)

@@ -112,7 +112,13 @@ def main() -> int:
         results["engine direct, adapter"] = percentiles(asyncio.run(setup_and_direct("a@v1")))
         with serve_process(work, adapter_dir) as url, httpx.Client(base_url=url, timeout=30) as client:
             for label, model in (("OpenAI API, base", "tiny"), ("OpenAI API, adapter", "a")):
-                body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True}
+                body = {
+                    "model": model,
+                    "prompt": prompt,
+                    "max_tokens": 1,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
                 times = []
                 for i in range(args.n + 10):
                     start = time.perf_counter()
@@ -124,7 +130,9 @@ def main() -> int:
         engine.close()
     for kind in ("base", "adapter"):
         results[f"HTTP overhead, {kind} (p50)"] = {
-            "ms": round(results[f"OpenAI API, {kind}"]["p50_ms"] - results[f"engine direct, {kind}"]["p50_ms"], 3)
+            "ms": round(
+                results[f"OpenAI API, {kind}"]["p50_ms"] - results[f"engine direct, {kind}"]["p50_ms"], 3
+            )
         }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -137,7 +145,8 @@ def main() -> int:
             lines.append(f"| {label} | {r['ms']} | | |")
     out.with_suffix(".md").write_text(
         f"One-token completions, tiny random Llama on the CPU, n={args.n} sequential, keep-alive.\n\n"
-        + "\n".join(lines) + "\n"
+        + "\n".join(lines)
+        + "\n"
     )
     print("\n".join(lines))
     return 0

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from loraplane.server.engine.async_engine import AsyncEngine
 from tests.engine.conftest import TOKENIZER_CORPUS, build_tiny_hf_model
-from tests.http.fake_engine import engine_class
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "lp-test-key-0123456789"
@@ -22,7 +22,7 @@ CHAT_TEMPLATE = (
 )
 
 
-class SpyEngine(engine_class()):
+class SpyEngine(AsyncEngine):
     """An AsyncEngine that records the ids it was asked to abort (to see a client's disconnect arrive)."""
 
     def __init__(self, engine) -> None:

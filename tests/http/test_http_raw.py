@@ -8,13 +8,13 @@ import httpx
 import openai
 import pytest
 
+from loraplane.server.engine.async_engine import AsyncEngine
 from loraplane.server.engine.config import EngineConfig
 from loraplane.server.engine.llm_engine import LLMEngine
 from loraplane.server.http.app import create_app
 from loraplane.server.http.auth import ApiKeys
 from tests.engine.conftest import FakeRunner
 from tests.http.conftest import API_KEY, MODEL_NAME, ServerThread, wait_until
-from tests.http.fake_engine import engine_class
 
 CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
 
@@ -122,7 +122,7 @@ def test_waiting_client_disconnect_aborts_in_the_engine(server, engine):
 
 
 def test_ready_and_live_are_503_once_the_engine_stopped():
-    engine = engine_class()(LLMEngine(EngineConfig(model="fake"), runner=FakeRunner()))
+    engine = AsyncEngine(LLMEngine(EngineConfig(model="fake"), runner=FakeRunner()))
     with ServerThread(create_app(engine, None, "fake")) as server:
         assert httpx.get(f"{server.url}/health/ready").status_code == 200
         assert httpx.get(f"{server.url}/health/live").status_code == 200

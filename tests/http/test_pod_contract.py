@@ -14,7 +14,6 @@ from loraplane.server import serve
 from loraplane.server.artifacts.base_hash import compute_base_hash
 from loraplane.server.model_fetch import ModelFetchError, fetch_model, model_cache_dir
 from tests.http.conftest import MODEL_NAME, ServerThread, wait_until
-from tests.http.fake_engine import engine_class
 from tests.s3_servers import moto_server
 
 ADMIN_TOKEN = "admin-token-0123456789"
@@ -110,7 +109,7 @@ def test_an_s3_model_with_the_right_pin_is_cached_and_served(s3_env, tiny_chat_m
         max_model_len=64,
         num_kv_blocks=8,
     )
-    app, engine = serve.build_app(options, engine_class=engine_class())
+    app, engine = serve.build_app(options)
     try:
         with ServerThread(app) as server:
             ready = httpx.get(f"{server.url}/health/ready").json()

@@ -13,7 +13,6 @@ from openai import OpenAI
 from loraplane.server import demo, serve
 from tests.adapter_factory import build_signed_adapter, make_keys, make_peft_folder
 from tests.http.conftest import API_KEY, ServerThread
-from tests.http.fake_engine import engine_class
 
 
 def test_serve_refuses_a_folder_without_a_model(tmp_path, capsys):
@@ -37,7 +36,7 @@ def test_serve_builds_from_options_with_a_keys_file(tiny_chat_model_dir, tmp_pat
         api_keys_file=str(keys),
     )
     assert options.model_name == tiny_chat_model_dir.name
-    app, engine = serve.build_app(options, engine_class=engine_class())
+    app, engine = serve.build_app(options)
     try:
         with ServerThread(app) as server:
             assert httpx.get(f"{server.url}/v1/models").status_code == 401
@@ -52,11 +51,9 @@ def test_serve_refuses_weights_other_than_the_pinned_ones(tiny_chat_model_dir):
 
     common = dict(model=str(tiny_chat_model_dir), device="cpu", max_model_len=64, num_kv_blocks=8)
     with pytest.raises(ValueError, match="model_sha256: the weights"):
-        serve.build_app(serve.ServeOptions(**common, model_sha256="ab" * 32), engine_class=engine_class())
+        serve.build_app(serve.ServeOptions(**common, model_sha256="ab" * 32))
     pinned = "sha256:" + compute_base_hash(tiny_chat_model_dir).upper()
-    app, engine = serve.build_app(
-        serve.ServeOptions(**common, model_sha256=pinned), engine_class=engine_class()
-    )
+    app, engine = serve.build_app(serve.ServeOptions(**common, model_sha256=pinned))
     engine.close()
 
 
@@ -78,7 +75,7 @@ def test_demo_model_answers_paris_over_http():
     options = serve.ServeOptions(
         model=model_dir, served_model_name=demo.DEMO_MODEL_NAME, max_model_len=512, num_kv_blocks=64
     )
-    app, engine = serve.build_app(options, engine_class=engine_class())
+    app, engine = serve.build_app(options)
     try:
         with ServerThread(app) as server, OpenAI(base_url=f"{server.url}/v1", api_key="none") as client:
             response = client.chat.completions.create(
@@ -99,7 +96,7 @@ def _serve_options(model_dir, tmp_path, adapters, trusted_dir=None) -> serve.Ser
 
 
 def _served(options) -> dict:
-    app, engine = serve.build_app(options, engine_class=engine_class())
+    app, engine = serve.build_app(options)
     try:
         asyncio.run(serve.prepare(app))
         with ServerThread(app) as server:
