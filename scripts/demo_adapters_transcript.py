@@ -64,6 +64,7 @@ def answer(model, tokenizer, prompt: str, max_new_tokens: int) -> str:
 
 def markdown(base_dir: str, rows: dict, checks: dict, args, seconds: float) -> str:
     names = list(checks)
+    base_dir = base_dir.replace(str(Path.home()), "~", 1)
     lines = [
         "# Demo adapters: base vs each adapter",
         "",
@@ -73,7 +74,7 @@ def markdown(base_dir: str, rows: dict, checks: dict, args, seconds: float) -> s
         "`nice -n 10 .venv/bin/python scripts/demo_adapters_transcript.py`; the adapters themselves come from "
         "`scripts/make_demo_adapters.py`.",
         "",
-        "| adapter | verified (`loraplane adapter verify`) | key id | manifest digest | weights bytes |",
+        "| adapter | verified (`loraplane adapter verify`) | key id | manifest digest | payload bytes |",
         "|---|---|---|---|---|",
     ]
     for name in names:
