@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--keys-dir", default=str(DEMO_KEYS_DIR), help="the demo adapters' public signing key(s)"
     )
+    parser.set_defaults(log_format="text")  # people read the demo's log
     return parser
 
 

@@ -156,3 +156,22 @@ def test_demo_serves_every_adapter_folder_it_finds(tmp_path):
     assert demo.demo_adapters(tmp_path / "missing") == []
     banner = demo.usage_banner("127.0.0.1", 8000, adapters=("french",))
     assert "with adapters french" in banner and 'model="french"' in banner
+
+
+def test_demo_serves_the_committed_signed_adapters_with_the_demo_key():
+    found = dict(demo.demo_adapters(demo.DEMO_ADAPTERS_DIR))
+    if not found:
+        pytest.skip("no demo adapters in this checkout")
+    args = demo.build_parser().parse_args([])
+    assert (args.adapters_dir, args.keys_dir, args.log_format) == (
+        str(demo.DEMO_ADAPTERS_DIR),
+        str(demo.DEMO_KEYS_DIR),
+        "text",
+    )
+    assert {"french", "pirate"} <= set(found)
+    from loraplane.server.artifacts.signing import load_trusted_keys
+    from loraplane.server.artifacts.verify import Policy, verify_folder
+
+    keys = load_trusted_keys(demo.DEMO_KEYS_DIR)  # each committed adapter verifies against the committed key
+    for name, folder in found.items():
+        assert verify_folder(folder, trusted_keys=keys, policy=Policy()).manifest.name == name
