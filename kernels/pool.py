@@ -237,6 +237,10 @@ class LoRAPool:
         return len(self._free_pages)
 
     @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    @property
     def capacity_bytes(self) -> int:
         return self.num_pages * self.page_bytes
 

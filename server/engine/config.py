@@ -32,6 +32,13 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     seed: int = 0
+    # Adapters (multi-LoRA). The GPU pools hold max_loras adapters of max_lora_rank on every module (more of
+    # lower rank or fewer modules); lora_pool_bytes, when set, sizes them in bytes instead.
+    enable_lora: bool = True
+    max_lora_rank: int = 64
+    max_loras: int = 8
+    lora_pool_bytes: int | None = None
+    lora_host_bytes: int = 8 << 30  # pinned host RAM for parsed adapters (LRU)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path")
@@ -76,3 +83,13 @@ class EngineConfig:
             f"must be strictly increasing positive ints, got {sizes!r}",
         )
         _require(_is_int(self.seed), "seed", f"must be an int, got {self.seed!r}")
+        _require(isinstance(self.enable_lora, bool), "enable_lora", "must be a bool")
+        for name in ("max_lora_rank", "max_loras", "lora_host_bytes"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value > 0, name, f"must be a positive int, got {value!r}")
+        if self.lora_pool_bytes is not None:
+            _require(
+                _is_int(self.lora_pool_bytes) and self.lora_pool_bytes > 0,
+                "lora_pool_bytes",
+                f"must be a positive int or None, got {self.lora_pool_bytes!r}",
+            )
