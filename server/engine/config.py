@@ -32,6 +32,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     seed: int = 0
+    tensor_parallel_size: int = 1  # processes (one per GPU) the base is split over; see parallel/
     # Adapters (multi-LoRA). The GPU pools hold max_loras adapters of max_lora_rank on every module (more of
     # lower rank or fewer modules); lora_pool_bytes, when set, sizes them in bytes instead.
     enable_lora: bool = True
@@ -83,6 +84,11 @@ class EngineConfig:
             f"must be strictly increasing positive ints, got {sizes!r}",
         )
         _require(_is_int(self.seed), "seed", f"must be an int, got {self.seed!r}")
+        _require(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size > 0,
+            "tensor_parallel_size",
+            f"must be a positive int, got {self.tensor_parallel_size!r}",
+        )
         _require(isinstance(self.enable_lora, bool), "enable_lora", "must be a bool")
         for name in ("max_lora_rank", "max_loras", "lora_host_bytes"):
             value = getattr(self, name)

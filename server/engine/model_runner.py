@@ -72,13 +72,21 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
 
 class ModelRunner:
     def __init__(
-        self, config, *, model: CausalLM | None = None, model_config: ModelConfig | None = None
+        self, config, *, model: CausalLM | None = None, model_config: ModelConfig | None = None, tp=None
     ) -> None:
-        """``model``/``model_config``: an already built model (benchmarks with random weights); else load."""
+        """``model``/``model_config``: an already built model (benchmarks with random weights); else load.
+        ``tp``: this rank's parallel.TPGroup (None: one process); the model and KV cache are then its shard."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp = tp  # TP hook: see parallel/launch.py
+        self.tp_driver = None  # TP hook: rank 0 sends each step to the workers once serving
+        self.device = tp.device if tp is not None else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         cfg = model_config or ModelConfig.from_pretrained(config.model, config.max_model_len)
+        full_cfg = cfg
+        if tp is not None:  # TP hook: this rank's heads and MLP columns; the vocabulary stays whole
+            from .parallel.group import shard_config
+
+            cfg = shard_config(cfg, tp.size)
         self.model_config = cfg
         self.max_model_len = config.max_model_len or cfg.default_max_model_len()
         if self.max_model_len > cfg.max_position_embeddings:
@@ -90,7 +98,12 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = _eos_ids(Path(config.model), cfg)
         free_before = self._free_device_memory()
-        if model is None:
+        if model is None and tp is not None:  # TP hook: each rank reads only its slices
+            from .parallel.loader import load_sharded_model
+
+            self.model = load_sharded_model(config.model, full_cfg, tp, self.device, self.dtype)
+            self.base_hash = base_hash(config.model)
+        elif model is None:
             self.model = load_model(config.model, cfg, self.device, self.dtype)
             self.base_hash = base_hash(config.model)
         else:
@@ -98,6 +111,8 @@ class ModelRunner:
         self.model.init_rope(self.max_model_len, self.device)
         self._init_lora()  # before KV sizing: the adapter pools come out of the same memory
         self.num_kv_blocks = self._num_kv_blocks(free_before)
+        if tp is not None:  # TP hook: one block table for all ranks, so the same number of blocks
+            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self._allocate_kv_cache()
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -116,7 +131,7 @@ class ModelRunner:
         self.lora_state: LoRAStepState | None = None
         self.residency = NullResidency()
         cfg = self.config
-        if not cfg.enable_lora:
+        if not cfg.enable_lora or self.tp is not None:  # TP hook: adapters over TP are not served yet
             return
         row_bytes = sum(pool_row_bytes(self.model_config, self.dtype).values())
         rows = cfg.lora_pool_bytes // row_bytes if cfg.lora_pool_bytes else cfg.max_loras * cfg.max_lora_rank
@@ -326,6 +341,8 @@ class ModelRunner:
     def forward_logits(self, batch) -> torch.Tensor:
         """Run the model on one scheduled step; fp32 logits [S, V] of the chunks that sample."""
         inp = self._prepare(batch)
+        if self.tp_driver is not None:  # TP hook: the workers run the same step on these inputs
+            self.tp_driver.send_step(inp, len(batch.chunks))
         meta = inp.meta
         if inp.decode_only and self.graphs is not None and len(batch.chunks) <= self.graphs.max_batch_size:
             self._set_lora_step(batch, "graph")
