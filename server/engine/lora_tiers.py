@@ -63,6 +63,9 @@ class GpuTier:
         self.bytes_of: dict[str, int] = {}
         self._pending: dict[str, tuple[torch.cuda.Event, AdapterWeights]] = {}  # copies in flight
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.mirror = (
+            None  # TP hook: rank 0 repeats every copy / eviction on the workers (parallel/lora_sync.py)
+        )
 
     # -- accounting ---------------------------------------------------------------------------------------
     @property
@@ -125,6 +128,8 @@ class GpuTier:
         slots = {m: self.pools[m].allocate(r, 1.0) for m, r in weights.ranks.items()}  # scale is in B
         self.slots[key] = slots
         self.bytes_of[key] = self.bytes_for(weights)
+        if self.mirror is not None:  # TP hook: the workers take the same slots; this rank writes its shard
+            weights = self.mirror.copy(slots, weights)
         if self._stream is None:
             self._write(slots, weights)
             return
@@ -153,6 +158,8 @@ class GpuTier:
 
     def evict(self, key: str) -> None:
         self.wait(key)
+        if self.mirror is not None:  # TP hook
+            self.mirror.evict(self.slots[key])
         for m, slot in self.slots.pop(key).items():
             self.pools[m].free(slot)
         self.bytes_of.pop(key, None)

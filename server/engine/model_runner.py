@@ -83,6 +83,7 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         cfg = model_config or ModelConfig.from_pretrained(config.model, config.max_model_len)
         full_cfg = cfg
+        self.full_model_config = cfg  # TP hook: adapters are parsed and checked whole, then sharded
         if tp is not None:  # TP hook: this rank's heads and MLP columns; the vocabulary stays whole
             from .parallel.group import shard_config
 
@@ -131,7 +132,7 @@ class ModelRunner:
         self.lora_state: LoRAStepState | None = None
         self.residency = NullResidency()
         cfg = self.config
-        if not cfg.enable_lora or self.tp is not None:  # TP hook: adapters over TP are not served yet
+        if not cfg.enable_lora:
             return
         row_bytes = sum(pool_row_bytes(self.model_config, self.dtype).values())
         rows = cfg.lora_pool_bytes // row_bytes if cfg.lora_pool_bytes else cfg.max_loras * cfg.max_lora_rank
@@ -139,7 +140,7 @@ class ModelRunner:
         graph_bs = 0
         if self.device.type == "cuda" and not cfg.enforce_eager:
             graph_bs = max((s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs), default=0)
-        self.lora = AdapterManager(self.model_config, pools, max_rank=cfg.max_lora_rank,
+        self.lora = AdapterManager(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
                                    host_bytes=cfg.lora_host_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    graph_batch_size=graph_bs)  # fmt: skip
         self.lora_state = LoRAStepState(pools)
@@ -160,6 +161,11 @@ class ModelRunner:
             chunks = [(getattr(c.seq, "adapter", None), c.num_tokens) for c in batch.chunks]
             self.lora_state.metas = self.lora.prepare_step(chunks, kind)
 
+    def _tp_send(self, inp: StepInputs, batch, kind: str) -> None:
+        """TP hook: the workers run the same step (after prepare_step: its adapter moves went first)."""
+        if self.tp_driver is not None:
+            self.tp_driver.send_step(inp, batch, kind, self.lora)
+
     @torch.inference_mode()
     def warm_adapter(self, key: str, num_tokens: int = 8) -> float:
         """Make ``key`` GPU-resident and run one real forward through it (no KV written); returns seconds.
@@ -175,7 +181,9 @@ class ModelRunner:
             chunks=[SimpleNamespace(seq=SimpleNamespace(adapter=key), num_tokens=num_tokens)]
         )
         self._set_lora_step(batch, "prefill")
-        logits = self.model(ids, positions, meta, torch.arange(num_tokens, device=self.device))
+        rows = torch.arange(num_tokens, device=self.device)
+        self._tp_send(StepInputs(ids, positions, meta, rows, False), batch, "prefill")
+        logits = self.model(ids, positions, meta, rows)
         if not bool(torch.isfinite(logits).all()):
             raise AdapterError("WarmFailed", f"adapter {key!r}: a forward through it gave non-finite logits")
         if self.device.type == "cuda":
@@ -341,17 +349,18 @@ class ModelRunner:
     def forward_logits(self, batch) -> torch.Tensor:
         """Run the model on one scheduled step; fp32 logits [S, V] of the chunks that sample."""
         inp = self._prepare(batch)
-        if self.tp_driver is not None:  # TP hook: the workers run the same step on these inputs
-            self.tp_driver.send_step(inp, len(batch.chunks))
         meta = inp.meta
         if inp.decode_only and self.graphs is not None and len(batch.chunks) <= self.graphs.max_batch_size:
             self._set_lora_step(batch, "graph")
+            self._tp_send(inp, batch, "graph")
             logits = self.graphs.run(
                 inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
             )
             # a 1-token chunk that does not end its prompt scores nothing
             return logits if inp.logits_indices.numel() == logits.shape[0] else logits[inp.logits_indices]
-        self._set_lora_step(batch, "decode" if inp.decode_only else "prefill")
+        kind = "decode" if inp.decode_only else "prefill"
+        self._set_lora_step(batch, kind)
+        self._tp_send(inp, batch, kind)
         return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)
 
     @torch.inference_mode()

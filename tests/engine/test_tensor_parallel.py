@@ -149,10 +149,12 @@ def test_step_inputs_survive_the_wire():
         block_tables=torch.tensor([[3, 5]], dtype=torch.int32), seq_lens=torch.tensor([7], dtype=torch.int32),
     )  # fmt: skip
     inp = StepInputs(torch.arange(5) + 10, torch.arange(5) + 20, meta, torch.tensor([2, 3, 4]), False)
-    header, payload = encode_step(inp, 3)
+    table = list(range(100, 124))  # 3 chunks x (tokens + 7 module slots)
+    header, payload = encode_step(inp, 3, 2, table)
     assert payload_size(header) == payload.numel()
-    out, chunks = decode_step(header, payload)
-    assert chunks == 3 and out.decode_only is False and out.meta.prefill == meta.prefill
+    out, chunks, got_table = decode_step(header, payload)
+    assert chunks == 3 and got_table == table and header[-1] == 2
+    assert out.decode_only is False and out.meta.prefill == meta.prefill
     for name in ("input_ids", "positions", "logits_indices"):
         assert torch.equal(getattr(out, name), getattr(inp, name))
     for name in ("slot_mapping", "gather_slots", "decode_rows", "block_tables", "seq_lens"):

@@ -21,7 +21,7 @@ from multiprocessing.connection import wait
 import torch
 
 from ..model_runner import ModelRunner, resolve_device
-from . import step_sync
+from . import lora_sync, step_sync
 from .group import SERVING_TIMEOUT, TPGroup, destroy_group, init_group
 
 log = logging.getLogger("loraplane.engine.tp")
@@ -61,12 +61,22 @@ class TPDriver:
             self.failed = f"tensor-parallel worker died: {', '.join(dead)}"
             log.error("%s; the engine cannot step any more", self.failed)
 
-    def send_step(self, inp, num_chunks: int) -> None:
+    def _check(self) -> None:
         if self.failed is not None or self.closed:
             raise RuntimeError(self.failed or "tensor-parallel group is closed")
-        header, payload = step_sync.encode_step(inp, num_chunks)
+
+    def send_step(self, inp, batch, kind: str, lora) -> None:
+        """The step's inputs and, with adapters, each chunk's adapter slots (after prepare_step)."""
+        self._check()
+        lora_kind, table = lora_sync.step_slots(lora, batch, kind)
+        header, payload = step_sync.encode_step(inp, len(batch.chunks), lora_kind, table)
         with self.lock:
             step_sync.send(self.tp, header, payload)
+
+    def send_op(self, op: int, info: list[int], tensors) -> None:
+        self._check()
+        with self.lock:
+            step_sync.send_op(self.tp, op, info, tensors)
 
     def close(self) -> None:
         """Stop the workers (a stop message, then terminate/kill after a grace period) and leave the group."""
@@ -93,6 +103,10 @@ class TPDriver:
 def start_tp_runner(config) -> ModelRunner:
     """Spawn ranks 1..N-1, join as rank 0 and build this rank's ModelRunner; its ``tp_driver`` sends steps."""
     size = config.tensor_parallel_size
+    if torch.distributed.is_initialized():
+        raise RuntimeError(
+            "EngineConfig.tensor_parallel_size: this process already drives a tensor-parallel group"
+        )
     device = resolve_device(config.device)
     if device.type == "cuda" and torch.cuda.device_count() < size:
         raise ValueError(
@@ -126,6 +140,8 @@ def start_tp_runner(config) -> ModelRunner:
         destroy_group()
         raise
     runner.tp_driver = driver
+    if runner.lora is not None:
+        runner.lora.gpu.mirror = lora_sync.AdapterMirror(driver, runner.lora.model_config)
     atexit.register(driver.close)
     return runner
 
@@ -147,10 +163,17 @@ def worker_main(config, rank: int, size: int, init_method: str, num_threads: int
     with torch.inference_mode():
         while True:
             header, payload = step_sync.receive(tp)
-            if header[0] == step_sync.OP_STOP:
+            op = header[0]
+            if op == step_sync.OP_STOP:
                 break
-            inp, num_chunks = step_sync.decode_step(header, payload)
-            run_step(runner, inp, num_chunks)
+            if op == step_sync.OP_COPY:
+                lora_sync.apply_copy(runner, tp, runner.lora.model_config, payload.tolist())
+            elif op == step_sync.OP_EVICT:
+                lora_sync.apply_evict(runner, payload.tolist())
+            else:
+                inp, num_chunks, table = step_sync.decode_step(header, payload)
+                lora_sync.set_step_metas(runner, header[-1], table)
+                run_step(runner, inp, num_chunks)
     destroy_group()
 
 

@@ -13,13 +13,16 @@ from ..attention import AttentionMetadata, PrefillSpan
 from ..model_runner import StepInputs
 from .group import TPGroup
 
-OP_STOP, OP_STEP = 0, 1
-_HEADER = 10  # op, T, S, gather, spans, decode rows, table width, flags, chunks, spare
+OP_STOP, OP_STEP, OP_COPY, OP_EVICT = 0, 1, 2, 3  # COPY / EVICT: adapter moves (lora_sync.py)
+_HEADER = 10  # op, T, S, gather, spans, decode rows, table width, flags, chunks, adapter step kind
+_LORA_ROW = 8  # per chunk with adapters: its tokens, then its slot in each of the 7 module pools
 _DECODE_ONLY, _HAS_DECODE, _DECODE_ROWS = 1, 2, 4
 
 
-def encode_step(inp: StepInputs, num_chunks: int) -> tuple[list[int], torch.Tensor]:
-    """(header, payload on the inputs' device) for ``inp``; ``num_chunks`` lets workers take the same path."""
+def encode_step(inp: StepInputs, num_chunks: int, lora_kind: int = 0,
+                lora_table: list[int] | tuple = ()) -> tuple[list[int], torch.Tensor]:  # fmt: skip
+    """(header, payload on the inputs' device) for ``inp``; ``num_chunks`` lets workers take the same path;
+    ``lora_kind``/``lora_table``: the step's adapter slots (lora_sync.step_slots)."""
     meta = inp.meta
     T, S = inp.input_ids.numel(), inp.logits_indices.numel()
     gather = meta.gather_slots if meta.gather_slots is not None else inp.input_ids.new_empty(0)
@@ -34,21 +37,27 @@ def encode_step(inp: StepInputs, num_chunks: int) -> tuple[list[int], torch.Tens
         if meta.decode_rows is not None:
             flags |= _DECODE_ROWS
             parts.append(meta.decode_rows)
-    header = [OP_STEP, T, S, gather.numel(), len(meta.prefill), n_dec, width, flags, num_chunks, 0]
+    if lora_kind:
+        parts.append(torch.tensor(lora_table, dtype=torch.int64).to(inp.input_ids.device))
+    header = [OP_STEP, T, S, gather.numel(), len(meta.prefill), n_dec, width, flags, num_chunks, lora_kind]
     return header, torch.cat(parts)
 
 
 def payload_size(header: list[int]) -> int:
-    _, T, S, n_gather, n_spans, n_dec, width, flags, _, _ = header
-    size = 3 * T + S + n_gather + 4 * n_spans
+    if header[0] != OP_STEP:
+        return header[1]  # adapter moves: their integer description
+    _, T, S, n_gather, n_spans, n_dec, width, flags, num_chunks, lora_kind = header
+    size = 3 * T + S + n_gather + 4 * n_spans + (num_chunks * _LORA_ROW if lora_kind else 0)
     if flags & _HAS_DECODE:
         size += n_dec * width + n_dec + (n_dec if flags & _DECODE_ROWS else 0)
     return size
 
 
-def decode_step(header: list[int], payload: torch.Tensor) -> tuple[StepInputs, int]:
-    """Inverse of ``encode_step``: (StepInputs, number of chunks)."""
-    _, T, S, n_gather, n_spans, n_dec, width, flags, num_chunks, _ = header
+def decode_step(header: list[int], payload: torch.Tensor) -> tuple[StepInputs, int, list[int]]:
+    """Inverse of ``encode_step``: (StepInputs, number of chunks, adapter slot table)."""
+    _, T, S, n_gather, n_spans, n_dec, width, flags, num_chunks, lora_kind = header
+    lora_size = num_chunks * _LORA_ROW if lora_kind else 0
+    payload, lora = payload.split([payload.numel() - lora_size, lora_size])
     cuts = [T, T, T, S, n_gather, 4 * n_spans]
     if flags & _HAS_DECODE:
         cuts += [n_dec * width, n_dec] + ([n_dec] if flags & _DECODE_ROWS else [])
@@ -64,7 +73,8 @@ def decode_step(header: list[int], payload: torch.Tensor) -> tuple[StepInputs, i
         meta.block_tables = pieces[6].view(n_dec, width).int()
         meta.seq_lens = pieces[7].int()
         meta.decode_rows = pieces[8] if flags & _DECODE_ROWS else None
-    return StepInputs(ids, positions, meta, logits_indices, bool(flags & _DECODE_ONLY)), num_chunks
+    inp = StepInputs(ids, positions, meta, logits_indices, bool(flags & _DECODE_ONLY))
+    return inp, num_chunks, lora.tolist()
 
 
 def send(tp: TPGroup, header: list[int], payload: torch.Tensor | None = None) -> None:
@@ -74,11 +84,18 @@ def send(tp: TPGroup, header: list[int], payload: torch.Tensor | None = None) ->
         tp.broadcast_(payload.to(tp.device).contiguous())
 
 
+def send_op(tp: TPGroup, op: int, info: list[int], tensors: list[torch.Tensor]) -> None:
+    """Rank 0: an adapter move: its integers, then its tensors (the receiver knows their shapes)."""
+    send(tp, [op, len(info)] + [0] * (_HEADER - 2), torch.tensor(info, dtype=torch.int64))
+    for t in tensors:
+        tp.broadcast_(t.to(tp.device).contiguous())
+
+
 def receive(tp: TPGroup) -> tuple[list[int], torch.Tensor | None]:
-    """Workers: the header, then the payload when the op is a step."""
+    """Workers: the header, then the payload (none for stop); an adapter move's tensors follow."""
     header_t = tp.broadcast_(torch.empty(_HEADER, dtype=torch.int64, device=tp.device))
     header = header_t.tolist()
-    if header[0] != OP_STEP:
+    if header[0] == OP_STOP:
         return header, None
     payload = torch.empty(payload_size(header), dtype=torch.int64, device=tp.device)
     return header, tp.broadcast_(payload)
