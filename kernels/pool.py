@@ -294,9 +294,10 @@ class LoRAPool:
         return (pages[j // self.page_rank] * self.page_rank + j % self.page_rank).to(self.device)
 
     # -- lifecycle --------------------------------------------------------------------------------------
-    def allocate(self, rank: int, scale: float) -> int:
-        """Reserve pages for an adapter of ``rank``; returns its slot. Its B rows start at zero, so a
-        module never written contributes nothing."""
+    def allocate(self, rank: int, scale: float, slot: int | None = None) -> int:
+        """Reserve pages for an adapter of ``rank``; returns its slot (``slot`` when given: it must be
+        free; pools that share one slot numbering can then share one batch metadata). Its B rows start
+        at zero, so a module never written contributes nothing."""
         if not isinstance(rank, int) or not 0 < rank <= self.max_rank:
             raise ValueError(rank_error("rank", rank, self.max_rank))
         if not math.isfinite(scale):
@@ -306,7 +307,12 @@ class LoRAPool:
             raise PoolFullError(f"no free adapter slot (max_adapters={self.max_adapters})")
         if need > len(self._free_pages):
             raise PoolFullError(f"rank {rank} needs {need} pages, {len(self._free_pages)} free")
-        slot = self._free_slots.pop()
+        if slot is None:
+            slot = self._free_slots.pop()
+        elif slot in self._free_slots:
+            self._free_slots.remove(slot)
+        else:
+            raise PoolFullError(f"slot {slot!r} is not a free slot of this pool")
         pages = [self._free_pages.pop() for _ in range(need)]
         self._pages[slot], self._rank[slot], self._scale[slot] = pages, rank, float(scale)
         row = torch.zeros(self.max_pages, dtype=torch.int32)

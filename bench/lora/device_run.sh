@@ -10,7 +10,7 @@ mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ -z "$SKIP_TESTS" ]; then
   (cd /tmp && timeout 240 python3 -m pytest --rootdir="$R" -c "$R/pyproject.toml" -o "pythonpath=$LP $R" \
-    -p no:cacheprovider -q -rs "$R/tests/engine/test_lora_engine.py" -k gpu 2>&1 | tail -40 | tee "$O/lora-gpu-tests.log")
+    -p no:cacheprovider -q -rs "$R/tests/engine/test_lora_engine.py" -k gpu 2>&1 | tail -150 | tee "$O/lora-gpu-tests.log")
 fi
 if [ -z "$SKIP_BENCH" ]; then
   python3 bench/run.py lora --out "$O" "$@" 2>&1 | tee "$O/lora-bench.log" | grep -v '^{'

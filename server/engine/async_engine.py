@@ -4,7 +4,9 @@ Only the engine thread touches the LLMEngine (no lock around the GPU step): call
 abort) through a condition variable, and outputs come back to each request's event loop through
 loop.call_soon_threadsafe. The thread sleeps on the condition while there is no work. A client that stops
 reading (closes the stream, breaks out of its loop, or is cancelled) aborts its request, which frees the KV
-blocks. If the loop dies, every open stream raises EngineDeadError instead of hanging.
+blocks. A request that fails on its own (refused on the engine thread, or failing inside a step) raises on
+its stream alone (RequestError for a failure inside a step) while the others go on. If the loop dies (a device
+fault), every open stream raises EngineDeadError instead of hanging.
 
 Adapter management (load, warm, alias, pin, unload) goes through the same command queue when it touches the
 device, so only the engine thread ever does; the HTTP side sees ``info()``, ``adapters()`` and the types of
@@ -27,7 +29,7 @@ from typing import Any
 from .api import AdapterError, AdapterInfo, EngineInfo, StepStats, adapter_key
 from .config import EngineConfig
 from .detokenizer import TokenizerLike
-from .llm_engine import LLMEngine, RequestOutput
+from .llm_engine import LLMEngine, RequestError, RequestOutput
 from .sequence import SamplingParams
 
 
@@ -39,6 +41,13 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+@dataclass(slots=True)
+class _Failed:
+    """One request's own error (refused on the engine thread): its stream raises it, the engine goes on."""
+
+    error: BaseException
 
 
 @dataclass(slots=True)
@@ -88,8 +97,11 @@ class AsyncEngine:
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         prompt_token_ids = list(prompt_token_ids)
         self.engine.check_request(prompt_token_ids, sampling)
-        if adapter is not None:
-            self._lora("adapter").get(adapter)  # AdapterError('AdapterNotFound') for unknown or unloaded
+        if adapter is not None:  # AdapterError('AdapterNotFound') for unknown or unloaded adapters
+            lora = self._lora(None)
+            if lora is None:
+                raise AdapterError("AdapterNotFound", f"adapter {adapter!r}: this engine serves no adapters")
+            lora.get(adapter)
         stream = _Stream(asyncio.get_running_loop())
         with self._cond:
             self._raise_if_dead()
@@ -114,10 +126,15 @@ class AsyncEngine:
         try:
             while True:
                 item = await stream.queue.get()
+                if isinstance(item, _Failed):
+                    finished = True
+                    raise item.error
                 if isinstance(item, BaseException):
                     finished = True
                     raise EngineDeadError(f"engine loop stopped: {item!r}") from item
                 finished = item.finished
+                if item.error is not None:  # failed inside a step: the others went on
+                    raise RequestError(request_id, item.error)
                 yield item
                 if finished:
                     return
@@ -310,7 +327,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     command.prompt_token_ids, command.sampling, command.request_id, command.adapter
                 )
-            except ValueError as error:  # this request is bad, not the engine
+            except Exception as error:  # noqa: BLE001 - refused (bad values, overload): this request, not the engine
                 self._send_error(command.request_id, error)
                 continue
             if command.adapter is not None:
@@ -337,7 +354,7 @@ class AsyncEngine:
         with self._cond:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
-            self._call_soon(stream.loop, _put_all, [(stream, error)])
+            self._call_soon(stream.loop, _put_all, [(stream, _Failed(error))])
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
@@ -369,6 +386,6 @@ def _run_call(call: _Call) -> None:
         call.future.set_exception(error)
 
 
-def _put_all(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+def _put_all(items: list[tuple[_Stream, RequestOutput | _Failed | BaseException]]) -> None:
     for stream, item in items:
         stream.queue.put_nowait(item)

@@ -42,11 +42,13 @@ class _Version:
     unloading: bool = False  # takes no new requests; freed once nothing uses it
     timings: dict[str, float] = field(default_factory=dict)
     loading: Future | None = None  # a disk -> host parse on the worker thread
+    error_reason: str | None = None
 
 
 class AdapterManager:
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
-                 host_bytes: int, max_num_batched_tokens: int, graph_batch_size: int = 0) -> None:  # fmt: skip
+                 host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 graph_batch_size: int = 0) -> None:  # fmt: skip
         pool = next(iter(pools.values()))
         self.model_config, self.max_rank = model_config, max_rank
         self.dtype, self.device = pool.dtype, pool.device
@@ -59,16 +61,15 @@ class AdapterManager:
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="loraplane-adapter-load")
-        cap = max_num_batched_tokens
+        # One metadata per step kind, shared by every module (one slot numbering across the pools).
         self._metas = {
-            kind: {m: LoRABatchMeta(cap, self.device, tile_m=tile) for m in pools}
-            for kind, tile in (("decode", 16), ("prefill", 64))
+            "decode": LoRABatchMeta(max_num_seqs, self.device, tile_m=16),
+            "prefill": LoRABatchMeta(max_num_batched_tokens, self.device, tile_m=64),
         }
         if graph_batch_size:  # fixed buffers read by captured decode graphs
-            self._metas["graph"] = {
-                m: LoRABatchMeta(graph_batch_size, self.device, capture=True, max_rank=max_rank)
-                for m in pools
-            }
+            self._metas["graph"] = LoRABatchMeta(
+                graph_batch_size, self.device, capture=True, max_rank=max_rank
+            )
 
     # -- parsing ----------------------------------------------------------------------------------------
     def parse(self, folder: Path) -> AdapterWeights:
@@ -182,14 +183,23 @@ class AdapterManager:
             return key in self.versions and (self.gpu.done(key) or self._advance(key))
 
     def request(self, key: str) -> None:
+        """Start moving ``key`` toward the GPU; AdapterError when it can never get there (unknown, fully
+        unloaded, or its folder failed to load), so the requests waiting for it fail instead of waiting."""
         with self.lock:
-            if key in self.versions and not self.gpu.done(key):
+            v = self.versions.get(key)
+            if v is None:
+                raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
+            if not self.gpu.done(key):
                 self.wanted.add(key)
                 self._advance(key)
+            if v.state == "failed":
+                raise AdapterError(v.error_reason or "BadAdapterFile", f"adapter {key!r}: {v.error}")
 
     def acquire(self, key: str) -> None:
         with self.lock:
-            self.versions[key].refs += 1
+            v = self.versions.get(key)
+            if v is not None:
+                v.refs += 1
 
     def release(self, key: str) -> None:
         with self.lock:
@@ -230,7 +240,7 @@ class AdapterManager:
             try:
                 weights = future.result()
             except AdapterError as error:  # the folder changed under us
-                v.state, v.error = "failed", f"{error.reason}: {error}"
+                v.state, v.error, v.error_reason = "failed", f"{error.reason}: {error}", error.reason
                 return False
             self.host.put(key, weights, self._host_evictable)
         if not self.gpu.make_room(weights, self._gpu_evictable):
@@ -294,19 +304,18 @@ class AdapterManager:
             for key in keys:
                 self.gpu.touch(key)
             self.last_step = (sum(n for _, n in chunks), len(chunks), len(keys))
-            out: dict[str, LoRABatchMeta | None] = {}
-            for m, meta in self._metas[kind].items():
-                pool = self.gpu.pools[m]
-                reqs = [(self.gpu.slots[k].get(m, -1) if k is not None else -1, n) for k, n in chunks]
-                if kind != "graph" and all(s < 0 for s, _ in reqs):
-                    out[m] = None
-                    continue
-                out[m] = meta.build(reqs, pool.host_ranks())
-            return out
+            meta = None
+            if kind == "graph" or keys:
+                reqs = [(self.gpu.slot_id[k] if k is not None else -1, n) for k, n in chunks]
+                meta = self._metas[kind].build(reqs, self.gpu.ranks)
+            if kind == "graph":
+                return dict.fromkeys(self.gpu.pools, meta)
+            used = {m for k in keys for m in self.gpu.slots[k]}  # modules some token of the step has
+            return {m: meta if m in used else None for m in self.gpu.pools}
 
     def graph_metas(self) -> dict[str, LoRABatchMeta]:
         """The fixed metadata a decode graph is captured with (every module, no tiles)."""
-        return {m: meta.build([], self.gpu.pools[m].host_ranks()) for m, meta in self._metas["graph"].items()}
+        return dict.fromkeys(self.gpu.pools, self._metas["graph"].build([], self.gpu.ranks))
 
     def close(self) -> None:
         self._worker.shutdown(wait=False, cancel_futures=True)

@@ -61,11 +61,16 @@ class GpuTier:
         self.device = device
         self.slots: OrderedDict[str, dict[str, int]] = OrderedDict()  # key -> module -> slot; LRU first
         self.bytes_of: dict[str, int] = {}
+        # One slot numbering across the pools: a version has the same slot in every module it targets and
+        # rank 0 (no work) in the others, so one batch metadata serves every module of a step.
+        self.num_slots = min(p.max_adapters for p in pools.values())
+        self._free_ids = list(range(self.num_slots - 1, -1, -1))
+        self.slot_id: dict[str, int] = {}
+        self.ranks = [0] * self.num_slots  # largest rank over modules per slot (the metadata builder's view)
         self._pending: dict[str, tuple[torch.cuda.Event, AdapterWeights]] = {}  # copies in flight
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.mirror = (
-            None  # TP hook: rank 0 repeats every copy / eviction on the workers (parallel/lora_sync.py)
-        )
+        # TP hook: rank 0 repeats every copy and eviction on the workers (parallel/lora_sync.py)
+        self.mirror = None
 
     # -- accounting ---------------------------------------------------------------------------------------
     @property
@@ -77,7 +82,9 @@ class GpuTier:
         return sum(self.bytes_of.values())
 
     def fits(self, weights: AdapterWeights) -> bool:
-        return all(self.pools[m].can_allocate(r) for m, r in weights.ranks.items())
+        return bool(self._free_ids) and all(
+            self.pools[m].pages_for_rank(r) <= self.pools[m].free_pages for m, r in weights.ranks.items()
+        )
 
     def bytes_for(self, weights: AdapterWeights) -> int:
         return sum(self.pools[m].bytes_for_rank(r) for m, r in weights.ranks.items())
@@ -111,25 +118,24 @@ class GpuTier:
             victims.append(key)
             for m, slot in self.slots[key].items():
                 freed[m] += self.pools[m].rank_of(slot)
-            if all(self._fits_after(m, r, freed[m], len(victims)) for m, r in weights.ranks.items()):
+            if all(self._fits_after(m, r, freed[m]) for m, r in weights.ranks.items()):
                 for victim in victims:
                     self.evict(victim)
                 return True
         return False
 
-    def _fits_after(self, module: str, rank: int, freed_rows: int, freed_slots: int) -> bool:
+    def _fits_after(self, module: str, rank: int, freed_rows: int) -> bool:
         pool = self.pools[module]
-        return pool.free_pages + freed_rows >= pool.pages_for_rank(rank) and (
-            pool.free_slots + freed_slots > 0
-        )
+        return pool.free_pages + freed_rows >= pool.pages_for_rank(rank)  # (a victim frees a slot too)
 
     def start_copy(self, key: str, weights: AdapterWeights) -> None:
         """Allocate the version's pages in every module it has and copy its factors in (async on CUDA)."""
-        slots = {m: self.pools[m].allocate(r, 1.0) for m, r in weights.ranks.items()}  # scale is in B
-        self.slots[key] = slots
+        gid = self._free_ids.pop()
+        slots = {m: self.pools[m].allocate(r, 1.0, slot=gid) for m, r in weights.ranks.items()}  # scale in B
+        self.slots[key], self.slot_id[key], self.ranks[gid] = slots, gid, weights.rank
         self.bytes_of[key] = self.bytes_for(weights)
-        if self.mirror is not None:  # TP hook: the workers take the same slots; this rank writes its shard
-            weights = self.mirror.copy(slots, weights)
+        if self.mirror is not None:  # TP hook: the workers take the same slot; this rank writes its shard
+            weights = self.mirror.copy(gid, weights)
         if self._stream is None:
             self._write(slots, weights)
             return
@@ -159,7 +165,10 @@ class GpuTier:
     def evict(self, key: str) -> None:
         self.wait(key)
         if self.mirror is not None:  # TP hook
-            self.mirror.evict(self.slots[key])
+            self.mirror.evict(self.slot_id[key])
         for m, slot in self.slots.pop(key).items():
             self.pools[m].free(slot)
+        gid = self.slot_id.pop(key)
+        self.ranks[gid] = 0
+        self._free_ids.append(gid)
         self.bytes_of.pop(key, None)

@@ -118,6 +118,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
+        self.base_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             self._compile_step_kernels()
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -142,26 +143,32 @@ class ModelRunner:
             graph_bs = max((s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs), default=0)
         self.lora = AdapterManager(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
                                    host_bytes=cfg.lora_host_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_seqs=cfg.max_num_seqs,
                                    graph_batch_size=graph_bs)  # fmt: skip
         self.lora_state = LoRAStepState(pools)
         wrap_model(self.model, self.lora_state)
         self.residency = self.lora
 
     def _capture_graphs(self, sizes: tuple[int, ...]) -> None:
-        if self.lora is not None:  # captured with every module's LoRA launches on fixed metadata buffers
-            self.lora_state.metas = self.lora.graph_metas()
+        """Decode graphs; with adapters, two sets: base-only steps replay graphs without LoRA launches,
+        steps with an adapter replay graphs holding every module's launches on fixed metadata buffers."""
+        self.base_graphs: DecodeGraphs | None = None
+        if self.lora is None:
+            self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+            return
+        self.base_graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+        self.lora_state.metas = self.lora.graph_metas()
         try:
             self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
         finally:
-            if self.lora is not None:
-                self.lora_state.metas = dict.fromkeys(self.lora_state.pools)
+            self.lora_state.metas = dict.fromkeys(self.lora_state.pools)
 
     def _set_lora_step(self, batch, kind: str) -> None:
         if self.lora is not None:
             chunks = [(getattr(c.seq, "adapter", None), c.num_tokens) for c in batch.chunks]
             self.lora_state.metas = self.lora.prepare_step(chunks, kind)
 
-    def _tp_send(self, inp: StepInputs, batch, kind: str) -> None:
+    def _tp_send(self, inp: StepInputs, batch, kind: str | None) -> None:
         """TP hook: the workers run the same step (after prepare_step: its adapter moves went first)."""
         if self.tp_driver is not None:
             self.tp_driver.send_step(inp, batch, kind, self.lora)
@@ -351,9 +358,17 @@ class ModelRunner:
         inp = self._prepare(batch)
         meta = inp.meta
         if inp.decode_only and self.graphs is not None and len(batch.chunks) <= self.graphs.max_batch_size:
-            self._set_lora_step(batch, "graph")
-            self._tp_send(inp, batch, "graph")
-            logits = self.graphs.run(
+            graphs = self.graphs
+            if self.base_graphs is not None and all(
+                getattr(c.seq, "adapter", None) is None for c in batch.chunks
+            ):
+                graphs = self.base_graphs  # no adapter in the step: no LoRA launch at all
+                self.lora.poll()  # loads for waiting requests keep moving
+                self._tp_send(inp, batch, None)
+            else:
+                self._set_lora_step(batch, "graph")
+                self._tp_send(inp, batch, "graph")
+            logits = graphs.run(
                 inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
             )
             # a 1-token chunk that does not end its prompt scores nothing

@@ -144,10 +144,14 @@ def test_gpu_bf16_mixed_batch_close_to_peft(setup):
     ref_model = peft_reference(base, folders)
     with torch.no_grad():
         names = [a or "__base__" for a in MIX]
-        ref = ref_model(input_ids=torch.tensor(prompts), adapter_names=names).logits[:, -1]
+        ref = ref_model(input_ids=torch.tensor(prompts), adapter_names=names).logits[:, -1].double()
+        with ref_model.disable_adapter():
+            base_ref = ref_model(input_ids=torch.tensor(prompts)).logits[:, -1].double()
     for row, name in enumerate(MIX):
-        err = ((logits[row].double() - ref[row].double()).norm() / ref[row].double().norm()).item()
-        assert err < 3e-2, (name, err)
+        err = (logits[row].double() - ref[row]).norm().item()
+        assert err < 8e-2 * ref[row].norm().item(), (name, err)
+        if name is not None:  # bf16 rounding is far below what the adapter itself changes
+            assert err < 0.5 * (ref[row] - base_ref[row]).norm().item(), (name, err)
 
 
 @pytest.mark.gpu

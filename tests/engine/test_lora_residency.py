@@ -141,3 +141,26 @@ async def test_async_surface_load_warm_alias_pin_unload(tiny_llama_dir, folders)
         assert await engine.unload_adapter("n") == ["n@v2"] and engine.resolve("n") is None
     finally:
         await engine.aclose()
+
+
+def test_one_slot_numbering_across_module_pools(tiny_llama_dir, folders, tmp_path):
+    """A version has the same slot in every pool it uses and rank 0 in the rest: one metadata per step."""
+    lora = engine_for(tiny_llama_dir).runner.lora
+    qv = save_peft_adapter(
+        tiny_llama_dir, tmp_path / "qv", seed=5, r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+    )
+    lora.register("qv", "v1", qv, "qv", lora.parse(qv))
+    lora.register("a0", "v1", folders["a0"], "a0", lora.parse(folders["a0"]))
+    lora.ensure_resident(["a0@v1", "qv@v1"])
+    slot = lora.gpu.slot_id["qv@v1"]
+    assert set(lora.gpu.slots["qv@v1"].values()) == {slot} and lora.gpu.pools["k_proj"].ranks[slot] == 0
+    metas = lora.prepare_step([("qv@v1", 2), ("a0@v1", 1), (None, 3)], "prefill")
+    shared = {id(m) for m in metas.values() if m is not None}
+    assert len(shared) == 1 and {m for m, v in metas.items() if v is None} == {
+        "k_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+    }
+    with pytest.raises(Exception, match="not a free slot"):
+        lora.gpu.pools["q_proj"].allocate(8, 1.0, slot=slot)

@@ -149,7 +149,7 @@ def test_step_inputs_survive_the_wire():
         block_tables=torch.tensor([[3, 5]], dtype=torch.int32), seq_lens=torch.tensor([7], dtype=torch.int32),
     )  # fmt: skip
     inp = StepInputs(torch.arange(5) + 10, torch.arange(5) + 20, meta, torch.tensor([2, 3, 4]), False)
-    table = list(range(100, 124))  # 3 chunks x (tokens + 7 module slots)
+    table = [5, 0, 1, -1, 1, 3]  # per chunk: tokens, adapter slot
     header, payload = encode_step(inp, 3, 2, table)
     assert payload_size(header) == payload.numel()
     out, chunks, got_table = decode_step(header, payload)

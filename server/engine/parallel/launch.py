@@ -173,13 +173,15 @@ def worker_main(config, rank: int, size: int, init_method: str, num_threads: int
             else:
                 inp, num_chunks, table = step_sync.decode_step(header, payload)
                 lora_sync.set_step_metas(runner, header[-1], table)
-                run_step(runner, inp, num_chunks)
+                run_step(runner, inp, num_chunks, header[-1])
     destroy_group()
 
 
-def run_step(runner: ModelRunner, inp, num_chunks: int) -> torch.Tensor:
+def run_step(runner: ModelRunner, inp, num_chunks: int, lora_kind: int) -> torch.Tensor:
     """The forward rank 0 runs for the same inputs (ModelRunner.forward_logits' choice of path)."""
     graphs, meta = runner.graphs, inp.meta
     if inp.decode_only and graphs is not None and num_chunks <= graphs.max_batch_size:
+        if lora_kind == 0 and runner.base_graphs is not None:
+            graphs = runner.base_graphs  # a step without adapters: the graphs without LoRA launches
         return graphs.run(inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables)
     return runner.model(inp.input_ids, inp.positions, meta, inp.logits_indices)

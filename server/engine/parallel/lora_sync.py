@@ -47,70 +47,67 @@ class AdapterMirror:
     def __init__(self, driver, cfg: ModelConfig) -> None:
         self.driver, self.cfg = driver, cfg
 
-    def copy(self, slots: dict[str, int], weights: AdapterWeights) -> AdapterWeights:
-        """Send the slots and whole factors; return rank 0's shard (what its pools hold)."""
-        info = [v for m, slot in slots.items() for v in (TARGET_MODULES.index(m), weights.ranks[m], slot)]
-        tensors = [t for m in slots for t in (weights.a[m], weights.b[m])]
+    def copy(self, slot: int, weights: AdapterWeights) -> AdapterWeights:
+        """Send the slot, ranks and whole factors; return rank 0's shard (what its pools hold)."""
+        info = [slot] + [v for m in weights.ranks for v in (TARGET_MODULES.index(m), weights.ranks[m])]
+        tensors = [t for m in weights.ranks for t in (weights.a[m], weights.b[m])]
         self.driver.send_op(step_sync.OP_COPY, info, tensors)
         return shard_adapter(weights, self.cfg, self.driver.tp)
 
-    def evict(self, slots: dict[str, int]) -> None:
-        info = [v for m, slot in slots.items() for v in (TARGET_MODULES.index(m), slot)]
-        self.driver.send_op(step_sync.OP_EVICT, info, [])
+    def evict(self, slot: int) -> None:
+        self.driver.send_op(step_sync.OP_EVICT, [slot], [])
 
 
-def step_slots(lora, batch, kind: str) -> tuple[int, list[int]]:
-    """(kind code, per chunk: tokens then the slot per module or -1) of rank 0's prepared step; (0, []) without
-    adapters."""
-    if lora is None:
+def step_slots(lora, batch, kind: str | None) -> tuple[int, list[int]]:
+    """(kind code, per chunk: its tokens and its adapter's slot or -1) of rank 0's prepared step;
+    (0, []) without adapters (kind None: a base-only decode graph)."""
+    if lora is None or kind is None:
         return 0, []
     out = []
     for chunk in batch.chunks:
         key = getattr(chunk.seq, "adapter", None)
-        slots = lora.gpu.slots.get(key, {}) if key is not None else {}
-        out += [chunk.num_tokens, *(slots.get(m, -1) for m in TARGET_MODULES)]
+        out += [chunk.num_tokens, lora.gpu.slot_id[key] if key is not None else -1]
     return KINDS.index(kind) + 1, out
 
 
 # ----------------------------------------------------------------------------------------- worker side
+def _key(slot: int) -> str:
+    return f"slot-{slot}"  # workers know adapters by rank 0's slot only
+
+
 def apply_copy(runner, tp: TPGroup, cfg: ModelConfig, info: list[int]) -> None:
-    """Allocate the slots rank 0 chose, receive the whole factors, keep this rank's shard."""
-    pools, shapes = runner.lora.gpu.pools, module_shapes(cfg)
+    """Receive the whole factors, keep this rank's shard in the slot rank 0 chose."""
+    gpu, shapes, slot = runner.lora.gpu, module_shapes(cfg), info[0]
     whole = AdapterWeights(a={}, b={})
-    slots = {}
-    for i in range(0, len(info), 3):
-        m, rank, slot = TARGET_MODULES[info[i]], info[i + 1], info[i + 2]
-        got = pools[m].allocate(rank, 1.0)
-        if got != slot:
-            raise RuntimeError(f"rank {tp.rank}: adapter slot {got} for {m}, rank 0 chose {slot}")
+    for i in range(1, len(info), 2):
+        m, rank = TARGET_MODULES[info[i]], info[i + 1]
         fan_in, fan_out = shapes[m]
         a = torch.empty(cfg.num_layers, rank, fan_in, dtype=runner.dtype, device=tp.device)
         b = torch.empty(cfg.num_layers, fan_out, rank, dtype=runner.dtype, device=tp.device)
         whole.a[m], whole.b[m], whole.ranks[m] = tp.broadcast_(a), tp.broadcast_(b), rank
-        slots[m] = slot
-    runner.lora.gpu._write(slots, shard_adapter(whole, cfg, tp))
+    gpu.start_copy(_key(slot), shard_adapter(whole, cfg, tp))
+    gpu.wait(_key(slot))  # the next step must read it
+    if gpu.slot_id[_key(slot)] != slot:  # same moves in the same order give the same slot
+        raise RuntimeError(f"rank {tp.rank}: adapter slot {gpu.slot_id[_key(slot)]}, rank 0 chose {slot}")
 
 
 def apply_evict(runner, info: list[int]) -> None:
-    pools = runner.lora.gpu.pools
-    for i in range(0, len(info), 2):
-        pools[TARGET_MODULES[info[i]]].free(info[i + 1])
+    runner.lora.gpu.evict(_key(info[0]))
 
 
 def set_step_metas(runner, kind_code: int, table: list[int]) -> None:
-    """Build the same per-module batch metadata rank 0 built for this step."""
+    """Build the batch metadata rank 0's AdapterManager.prepare_step built for this step."""
     if runner.lora is None:
         return
-    if kind_code == 0:
-        runner.lora_state.metas = dict.fromkeys(runner.lora_state.pools)
+    pools = runner.lora_state.pools
+    slots = table[1::2]
+    if kind_code == 0 or (KINDS[kind_code - 1] != "graph" and all(s < 0 for s in slots)):
+        runner.lora_state.metas = dict.fromkeys(pools)
         return
-    kind, width = KINDS[kind_code - 1], 1 + len(TARGET_MODULES)
-    rows = [table[i : i + width] for i in range(0, len(table), width)]
-    metas = {}
-    for j, m in enumerate(TARGET_MODULES):
-        reqs = [(row[1 + j], row[0]) for row in rows]
-        if kind != "graph" and all(s < 0 for s, _ in reqs):
-            metas[m] = None
-            continue
-        metas[m] = runner.lora._metas[kind][m].build(reqs, runner.lora.gpu.pools[m].host_ranks())
-    runner.lora_state.metas = metas
+    kind, gpu = KINDS[kind_code - 1], runner.lora.gpu
+    meta = runner.lora._metas[kind].build(list(zip(slots, table[0::2], strict=True)), gpu.ranks)
+    if kind == "graph":
+        runner.lora_state.metas = dict.fromkeys(pools, meta)
+        return
+    used = {m for s in set(slots) if s >= 0 for m in gpu.slots[_key(s)]}
+    runner.lora_state.metas = {m: meta if m in used else None for m in pools}

@@ -15,7 +15,7 @@ from .group import TPGroup
 
 OP_STOP, OP_STEP, OP_COPY, OP_EVICT = 0, 1, 2, 3  # COPY / EVICT: adapter moves (lora_sync.py)
 _HEADER = 10  # op, T, S, gather, spans, decode rows, table width, flags, chunks, adapter step kind
-_LORA_ROW = 8  # per chunk with adapters: its tokens, then its slot in each of the 7 module pools
+_LORA_ROW = 2  # per chunk of a step with adapters: its tokens and its adapter's slot (-1: none)
 _DECODE_ONLY, _HAS_DECODE, _DECODE_ROWS = 1, 2, 4
 
 
