@@ -20,6 +20,7 @@ from multiprocessing.connection import wait
 
 import torch
 
+from ..llm_engine import EngineFault
 from ..model_runner import ModelRunner, resolve_device
 from . import lora_sync, step_sync
 from .group import SERVING_TIMEOUT, TPGroup, destroy_group, init_group
@@ -52,18 +53,48 @@ class TPDriver:
         self.lock = threading.Lock()  # one sender at a time: the collectives' order is the protocol
         self.failed: str | None = None  # why the group can no longer step
         self.closed = False
+        self.sent = False  # the current forward was sent to the workers
         threading.Thread(target=self._watch, name="loraplane-tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
-        wait([w.sentinel for w in self.workers])
+        ready = wait([w.sentinel for w in self.workers])
         if not self.closed:
-            dead = [f"{w.name} (exit code {w.exitcode})" for w in self.workers if not w.is_alive()]
+            gone = [w for w in self.workers if w.sentinel in ready]
+            for w in gone:
+                w.join(1.0)  # reap it, for its exit code
+            dead = [f"{w.name} (exit code {w.exitcode})" for w in gone]
             self.failed = f"tensor-parallel worker died: {', '.join(dead)}"
             log.error("%s; the engine cannot step any more", self.failed)
+            if (
+                self.tp.device.type == "cuda"
+            ):  # an NCCL collective waiting for the dead peer would never return
+                from torch.distributed import distributed_c10d
+
+                try:
+                    distributed_c10d._abort_process_group()
+                except Exception:  # noqa: BLE001 - best effort; the engine is failed either way
+                    log.exception("aborting the NCCL group failed")
+
+    def guard(self, forward):
+        """Wrap a runner method that sends a step and runs it. A failure before the send is the step's own
+        (the engine may retry parts of it); after the send the workers are inside a forward rank 0 left, so
+        the group is out of step for good: EngineFault stops the engine."""
+
+        def run(*args, **kwargs):
+            self.sent = False
+            try:
+                return forward(*args, **kwargs)
+            except Exception as error:
+                if not self.sent or isinstance(error, EngineFault):
+                    raise
+                self.failed = f"rank 0 failed inside a tensor-parallel step: {error!r}"
+                raise EngineFault(self.failed) from error
+
+        return run
 
     def _check(self) -> None:
         if self.failed is not None or self.closed:
-            raise RuntimeError(self.failed or "tensor-parallel group is closed")
+            raise EngineFault(self.failed or "tensor-parallel group is closed")
 
     def send_step(self, inp, batch, kind: str, lora) -> None:
         """The step's inputs and, with adapters, each chunk's adapter slots (after prepare_step)."""
@@ -71,12 +102,17 @@ class TPDriver:
         lora_kind, table = lora_sync.step_slots(lora, batch, kind)
         header, payload = step_sync.encode_step(inp, len(batch.chunks), lora_kind, table)
         with self.lock:
+            self.sent = True
             step_sync.send(self.tp, header, payload)
 
     def send_op(self, op: int, info: list[int], tensors) -> None:
         self._check()
         with self.lock:
-            step_sync.send_op(self.tp, op, info, tensors)
+            try:
+                step_sync.send_op(self.tp, op, info, tensors)
+            except Exception as error:  # a move half sent: the pools of the ranks may differ now
+                self.failed = f"adapter move to the tensor-parallel workers failed: {error!r}"
+                raise EngineFault(self.failed) from error
 
     def close(self) -> None:
         """Stop the workers (a stop message, then terminate/kill after a grace period) and leave the group."""
@@ -87,7 +123,7 @@ class TPDriver:
             try:
                 with self.lock:
                     step_sync.send(self.tp, step_sync.stop_header())
-            except RuntimeError as exc:  # a worker already gone: fall through to terminate
+            except (RuntimeError, EngineFault) as exc:  # a worker already gone: fall through to terminate
                 log.warning("tensor-parallel stop message failed: %s", exc)
         for w in self.workers:
             w.join(_STOP_GRACE_S)
@@ -140,6 +176,8 @@ def start_tp_runner(config) -> ModelRunner:
         destroy_group()
         raise
     runner.tp_driver = driver
+    runner.forward_logits = driver.guard(runner.forward_logits)
+    runner.warm_adapter = driver.guard(runner.warm_adapter)
     if runner.lora is not None:
         runner.lora.gpu.mirror = lora_sync.AdapterMirror(driver, runner.lora.model_config)
     atexit.register(driver.close)
