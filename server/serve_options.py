@@ -132,10 +132,10 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
     pod.add_argument("--admin-port", type=int, help="serve the admin API on this port (needs a token file)")
     pod.add_argument("--admin-token-file", help="file holding the admin API's Bearer token")
     pod.add_argument(
-        "--kv-cache-fraction", type=float, help="fraction of free GPU memory for weights + KV (0, 1]"
+        "--tensor-parallel-size", type=int, help="split the base over N GPUs of the pod (default 1)"
     )
     pod.add_argument(
-        "--tensor-parallel-size", type=int, help="split the base over N GPUs of the pod (default 1)"
+        "--kv-cache-fraction", type=float, help="fraction of free GPU memory for weights + KV (0, 1]"
     )
     pod.add_argument(
         "--host-cache-dir", help="existing dir: the s3:// base model is cached here (adapters later)"
