@@ -103,7 +103,7 @@ class ModelRunner:
             from .parallel.loader import load_sharded_model
 
             self.model = load_sharded_model(config.model, full_cfg, tp, self.device, self.dtype)
-            self.base_hash = base_hash(config.model)
+            self.base_hash = base_hash(config.model) if tp.is_driver else "worker"  # rank 0 reports it
         elif model is None:
             self.model = load_model(config.model, cfg, self.device, self.dtype)
             self.base_hash = base_hash(config.model)
