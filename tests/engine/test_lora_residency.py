@@ -164,3 +164,26 @@ def test_one_slot_numbering_across_module_pools(tiny_llama_dir, folders, tmp_pat
     }
     with pytest.raises(Exception, match="not a free slot"):
         lora.gpu.pools["q_proj"].allocate(8, 1.0, slot=slot)
+
+
+async def test_warm_fails_on_non_finite_logits(tiny_llama_dir, folders, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "huge"
+    bad.mkdir()
+    (bad / "adapter_config.json").write_bytes((folders["a0"] / "adapter_config.json").read_bytes())
+    tensors = load_file(str(folders["a0"] / "adapter_model.safetensors"))
+    save_file(
+        {k: v * 2e38 if "lora_B" in k else v for k, v in tensors.items()},
+        str(bad / "adapter_model.safetensors"),
+    )
+    engine = AsyncEngine(engine_for(tiny_llama_dir))
+    try:
+        await engine.load_adapter("huge", "v1", bad, "d")  # finite weights: accepted
+        with pytest.raises(AdapterError) as err:
+            await engine.warm_adapter("huge", "v1")
+        assert err.value.reason == "WarmFailed"
+        (info,) = engine.adapters()
+        assert info.state == "failed" and "WarmFailed" in info.error
+    finally:
+        await engine.aclose()
