@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from ..model import CausalLM
 from ..model_config import ModelConfig
-from ..weights import _IGNORED_SUFFIXES, WeightsError, hf_layout, safetensors_files
+from ..weights import _IGNORED_SUFFIXES, WeightsError, hf_layout, hf_state_dict, safetensors_files
 from .group import TPGroup
 from .layers import ROW_PARALLEL, VocabParallelEmbedding, VocabParallelLMHead, build_sharded_model, shard_rows
 
@@ -48,45 +48,60 @@ def _materialise(cfg: ModelConfig, tp: TPGroup, device: torch.device, dtype: tor
     return model
 
 
-def load_sharded_model(model_dir: str | Path, cfg: ModelConfig, tp: TPGroup, device: torch.device,
-                       dtype: torch.dtype) -> CausalLM:  # fmt: skip
-    """Rank ``tp.rank``'s CausalLM, filled from the folder's safetensors (``cfg``: the whole model's config)."""
-    model_dir = Path(model_dir)
-    model = _materialise(cfg, tp, device, dtype)
+def _fill(model: CausalLM, cfg: ModelConfig, tp: TPGroup, sources, where: str) -> CausalLM:
+    """Copy rank ``tp.rank``'s slice of every (HF name, sliceable tensor, origin) in ``sources`` into ``model``."""
     params = dict(model.named_parameters(remove_duplicate=False))
     layout, shards = hf_layout(model), shard_rows(cfg, tp)
     vocab_rows = shards["vocab"][1]
     loaded: set[str] = set()
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
-                    continue
-                if name not in layout:
-                    raise WeightsError(f"{path.name}: unexpected tensor {name} for {cfg.model_type}")
-                ours, first, rows = layout[name]
-                rows = vocab_rows if name in _VOCAB else rows
-                target = params[ours].data[first : first + rows]
-                part = _source_slice(name, shards)
-                source = f.get_slice(name)
-                if part is None:
-                    tensor = source[:]
-                elif part[0] == 0:
-                    tensor = source[part[1]]
-                else:
-                    tensor = source[:, part[1]]
-                if tuple(tensor.shape) != tuple(target.shape):
-                    raise WeightsError(
-                        f"tensor {name}: rank {tp.rank}'s slice has shape {tuple(tensor.shape)}, "
-                        f"the config gives {tuple(target.shape)} (tensor_parallel_size={tp.size})"
-                    )
-                target.copy_(tensor)
-                loaded.add(name)
+    for name, source, origin in sources:
+        if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue
+        if name not in layout:
+            raise WeightsError(f"{origin}: unexpected tensor {name} for {cfg.model_type}")
+        ours, first, rows = layout[name]
+        rows = vocab_rows if name in _VOCAB else rows
+        target = params[ours].data[first : first + rows]
+        part = _source_slice(name, shards)
+        if part is None:
+            tensor = source[:]
+        elif part[0] == 0:
+            tensor = source[part[1]]
+        else:
+            tensor = source[:, part[1]]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise WeightsError(
+                f"tensor {name}: rank {tp.rank}'s slice has shape {tuple(tensor.shape)}, "
+                f"the config gives {tuple(target.shape)} (tensor_parallel_size={tp.size})"
+            )
+        target.copy_(tensor)
+        loaded.add(name)
     missing = sorted(set(layout) - loaded)
     if missing:
-        raise WeightsError(f"{model_dir}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise WeightsError(f"{where}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     model.tie_weights()
     return model.eval().requires_grad_(False)
+
+
+def load_sharded_model(model_dir: str | Path, cfg: ModelConfig, tp: TPGroup, device: torch.device,
+                       dtype: torch.dtype) -> CausalLM:  # fmt: skip
+    """Rank ``tp.rank``'s CausalLM, filled from the folder's safetensors (``cfg``: the whole model's config)."""
+
+    def sources():
+        for path in safetensors_files(Path(model_dir)):
+            with safe_open(str(path), framework="pt", device=str(device)) as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    yield name, f.get_slice(name), path.name
+
+    return _fill(_materialise(cfg, tp, device, dtype), cfg, tp, sources(), str(model_dir))
+
+
+def shard_model(full: CausalLM, tp: TPGroup) -> CausalLM:
+    """Rank ``tp.rank``'s shard of a whole in-memory model (tests and benchmarks: one set of weights, two
+    layouts), on the whole model's device and dtype."""
+    p = next(full.parameters())
+    sources = ((name, t, "model") for name, t in hf_state_dict(full).items())
+    return _fill(_materialise(full.config, tp, p.device, p.dtype), full.config, tp, sources, "model")
 
 
 def random_sharded_model(cfg: ModelConfig, tp: TPGroup, device: torch.device, dtype: torch.dtype,
