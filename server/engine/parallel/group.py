@@ -8,6 +8,7 @@ here is issued by all ranks in the same order; that order is the whole protocol.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -65,6 +66,8 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
     if device.type == "cuda":
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
+    if backend_for(device) == "gloo":  # one host: loopback, whatever the host name resolves to
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group(
         backend_for(device), init_method=init_method, rank=rank, world_size=size, timeout=timeout
     )
