@@ -40,6 +40,7 @@ def build_engine(options: ServeOptions, tokenizer):
         max_num_seqs=options.max_num_seqs,
         max_model_len=options.max_model_len,
         num_kv_blocks=options.num_kv_blocks,
+        tensor_parallel_size=options.tensor_parallel_size or 1,
     )
     if options.kv_cache_fraction is not None:
         config = dataclasses.replace(config, gpu_memory_utilization=options.kv_cache_fraction)

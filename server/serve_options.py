@@ -40,6 +40,7 @@ class ServeOptions:
     gpu_adapter_bytes: int | None = None
     host_adapter_bytes: int | None = None
     trusted_keys_dir: str | None = None
+    tensor_parallel_size: int | None = None  # processes the base is split over, one GPU each (None: 1)
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -63,6 +64,9 @@ class ServeOptions:
                 raise ValueError(f"{name}: must be a positive integer, got {value!r}")
         if self.kv_cache_fraction is not None and not (0.0 < self.kv_cache_fraction <= 1.0):
             raise ValueError(f"kv_cache_fraction: must be in (0, 1], got {self.kv_cache_fraction}")
+        tp = self.tensor_parallel_size
+        if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0):
+            raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
 
     def _check_model(self) -> None:
         if is_s3_uri(self.model):
@@ -173,6 +177,9 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
     pod.add_argument("--admin-port", type=int, help="serve the admin API on this port (needs a token file)")
     pod.add_argument("--admin-token-file", help="file holding the admin API's Bearer token")
     pod.add_argument(
+        "--tensor-parallel-size", type=int, help="split the base over N GPUs of the pod (default 1)"
+    )
+    pod.add_argument(
         "--kv-cache-fraction", type=float, help="fraction of free GPU memory for weights + KV (0, 1]"
     )
     pod.add_argument(
@@ -201,6 +208,7 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
             "gpu_adapter_bytes",
             "host_adapter_bytes",
             "trusted_keys_dir",
+            "tensor_parallel_size",
         )
     }
     return ServeOptions(

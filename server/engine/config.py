@@ -37,6 +37,7 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     seed: int = 0
+    tensor_parallel_size: int = 1  # processes (one per GPU) the base is split over; see parallel/
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
     # How long later arrivals may be admitted ahead of a waiting request (grouping by adapter, resident
     # adapters first, skipping a loading adapter); after that it goes first and nothing later is admitted before it.
@@ -96,6 +97,11 @@ class EngineConfig:
             f"must be strictly increasing positive ints, got {sizes!r}",
         )
         _require(_is_int(self.seed), "seed", f"must be an int, got {self.seed!r}")
+        _require(
+            _is_int(self.tensor_parallel_size) and self.tensor_parallel_size > 0,
+            "tensor_parallel_size",
+            f"must be a positive int, got {self.tensor_parallel_size!r}",
+        )
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be a bool")
         _require(
             _is_seconds(self.max_passed_over_s) and self.max_passed_over_s >= 0.0,

@@ -77,6 +77,10 @@ class EngineStats:
 def _build_runner(config: EngineConfig):
     from .model_runner import ModelRunner  # torch is imported only when a real model is served
 
+    if config.tensor_parallel_size > 1:  # TP hook: spawns the workers, returns rank 0's runner
+        from .parallel.launch import start_tp_runner
+
+        return start_tp_runner(config)
     return ModelRunner(config)
 
 

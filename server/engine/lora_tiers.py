@@ -69,6 +69,8 @@ class GpuTier:
         self.ranks = [0] * self.num_slots  # largest rank over modules per slot (the metadata builder's view)
         self._pending: dict[str, tuple[torch.cuda.Event, AdapterWeights]] = {}  # copies in flight
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # TP hook: rank 0 repeats every copy and eviction on the workers (parallel/lora_sync.py)
+        self.mirror = None
 
     # -- accounting ---------------------------------------------------------------------------------------
     @property
@@ -132,6 +134,8 @@ class GpuTier:
         slots = {m: self.pools[m].allocate(r, 1.0, slot=gid) for m, r in weights.ranks.items()}  # scale in B
         self.slots[key], self.slot_id[key], self.ranks[gid] = slots, gid, weights.rank
         self.bytes_of[key] = self.bytes_for(weights)
+        if self.mirror is not None:  # TP hook: the workers take the same slot; this rank writes its shard
+            weights = self.mirror.copy(gid, weights)
         if self._stream is None:
             self._write(slots, weights)
             return
@@ -160,6 +164,8 @@ class GpuTier:
 
     def evict(self, key: str) -> None:
         self.wait(key)
+        if self.mirror is not None:  # TP hook
+            self.mirror.evict(self.slot_id[key])
         for m, slot in self.slots.pop(key).items():
             self.pools[m].free(slot)
         gid = self.slot_id.pop(key)

@@ -72,13 +72,22 @@ def _eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
 
 class ModelRunner:
     def __init__(
-        self, config, *, model: CausalLM | None = None, model_config: ModelConfig | None = None
+        self, config, *, model: CausalLM | None = None, model_config: ModelConfig | None = None, tp=None
     ) -> None:
-        """``model``/``model_config``: an already built model (benchmarks with random weights); else load."""
+        """``model``/``model_config``: an already built model (benchmarks with random weights); else load.
+        ``tp``: this rank's parallel.TPGroup (None: one process); the model and KV cache are then its shard."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp = tp  # TP hook: see parallel/launch.py
+        self.tp_driver = None  # TP hook: rank 0 sends each step to the workers once serving
+        self.device = tp.device if tp is not None else resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         cfg = model_config or ModelConfig.from_pretrained(config.model, config.max_model_len)
+        full_cfg = cfg
+        self.full_model_config = cfg  # TP hook: adapters are parsed and checked whole, then sharded
+        if tp is not None:  # TP hook: this rank's heads and MLP columns; the vocabulary stays whole
+            from .parallel.group import shard_config
+
+            cfg = shard_config(cfg, tp.size)
         self.model_config = cfg
         self.max_model_len = config.max_model_len or cfg.default_max_model_len()
         if self.max_model_len > cfg.max_position_embeddings:
@@ -90,7 +99,12 @@ class ModelRunner:
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = _eos_ids(Path(config.model), cfg)
         free_before = self._free_device_memory()
-        if model is None:
+        if model is None and tp is not None:  # TP hook: each rank reads only its slices
+            from .parallel.loader import load_sharded_model
+
+            self.model = load_sharded_model(config.model, full_cfg, tp, self.device, self.dtype)
+            self.base_hash = base_hash(config.model) if tp.is_driver else "worker"  # rank 0 reports it
+        elif model is None:
             self.model = load_model(config.model, cfg, self.device, self.dtype)
             self.base_hash = base_hash(config.model)
         else:
@@ -98,6 +112,8 @@ class ModelRunner:
         self.model.init_rope(self.max_model_len, self.device)
         self._init_lora()  # before KV sizing: the adapter pools come out of the same memory
         self.num_kv_blocks = self._num_kv_blocks(free_before)
+        if tp is not None:  # TP hook: one block table for all ranks, so the same number of blocks
+            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self._allocate_kv_cache()
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
@@ -125,7 +141,7 @@ class ModelRunner:
         graph_bs = 0
         if self.device.type == "cuda" and not cfg.enforce_eager:
             graph_bs = max((s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs), default=0)
-        self.lora = AdapterManager(self.model_config, pools, max_rank=cfg.max_lora_rank,
+        self.lora = AdapterManager(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
                                    host_bytes=cfg.lora_host_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs,
                                    graph_batch_size=graph_bs)  # fmt: skip
@@ -152,6 +168,11 @@ class ModelRunner:
             chunks = [(getattr(c.seq, "adapter", None), c.num_tokens) for c in batch.chunks]
             self.lora_state.metas = self.lora.prepare_step(chunks, kind)
 
+    def _tp_send(self, inp: StepInputs, batch, kind: str | None) -> None:
+        """TP hook: the workers run the same step (after prepare_step: its adapter moves went first)."""
+        if self.tp_driver is not None:
+            self.tp_driver.send_step(inp, batch, kind, self.lora)
+
     @torch.inference_mode()
     def warm_adapter(self, key: str, num_tokens: int = 8) -> float:
         """Make ``key`` GPU-resident and run one real forward through it (no KV written); returns seconds.
@@ -167,7 +188,9 @@ class ModelRunner:
             chunks=[SimpleNamespace(seq=SimpleNamespace(adapter=key), num_tokens=num_tokens)]
         )
         self._set_lora_step(batch, "prefill")
-        logits = self.model(ids, positions, meta, torch.arange(num_tokens, device=self.device))
+        rows = torch.arange(num_tokens, device=self.device)
+        self._tp_send(StepInputs(ids, positions, meta, rows, False), batch, "prefill")
+        logits = self.model(ids, positions, meta, rows)
         if not bool(torch.isfinite(logits).all()):
             raise AdapterError("WarmFailed", f"adapter {key!r}: a forward through it gave non-finite logits")
         if self.device.type == "cuda":
@@ -341,14 +364,18 @@ class ModelRunner:
             ):
                 graphs = self.base_graphs  # no adapter in the step: no LoRA launch at all
                 self.lora.poll()  # loads for waiting requests keep moving
+                self._tp_send(inp, batch, None)
             else:
                 self._set_lora_step(batch, "graph")
+                self._tp_send(inp, batch, "graph")
             logits = graphs.run(
                 inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
             )
             # a 1-token chunk that does not end its prompt scores nothing
             return logits if inp.logits_indices.numel() == logits.shape[0] else logits[inp.logits_indices]
-        self._set_lora_step(batch, "decode" if inp.decode_only else "prefill")
+        kind = "decode" if inp.decode_only else "prefill"
+        self._set_lora_step(batch, kind)
+        self._tp_send(inp, batch, kind)
         return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)
 
     @torch.inference_mode()

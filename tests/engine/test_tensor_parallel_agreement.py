@@ -1,0 +1,54 @@
+"""One set of random weights, two layouts: the TP=2 shard group against the whole model, rank by rank in
+their own processes. On CPU (fp32, tiny shapes) within 1e-5; on 2 GPUs (bf16, a Llama-3-8B shape) within
+bf16 rounding."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.timeout(600)
+REPO = Path(__file__).resolve().parents[2]
+_LLAMA = dict(model_type="llama", max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
+              tie_word_embeddings=False, torch_dtype="bfloat16")  # fmt: skip
+TINY_QWEN2 = dict(_LLAMA, model_type="qwen2", vocab_size=255, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+LLAMA3_8B = dict(_LLAMA, vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                 num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
+
+
+def agreement(shape: dict, device: str, tmp_path: Path) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    out = tmp_path / "errors.json"
+    argv = [init, json.dumps(shape), device, str(out)]
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.engine.tp_agreement", str(r), "2", *argv], cwd=REPO)
+             for r in range(2)]  # fmt: skip
+    try:
+        codes = [p.wait(timeout=500) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert codes == [0, 0]
+    return json.loads(out.read_text())
+
+
+def test_cpu_fp32_shard_group_equals_the_whole_model(tmp_path):
+    errors = agreement(TINY_QWEN2, "cpu", tmp_path)
+    assert errors["max_abs"] <= 1e-5 and errors["greedy_equal"], errors
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_8b_shape_agrees_with_tp1(tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    errors = agreement(LLAMA3_8B, "cuda", tmp_path)
+    assert errors["max_rel_norm"] < 2e-2, errors  # bf16: a different summation order, not a different model

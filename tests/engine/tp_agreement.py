@@ -1,0 +1,67 @@
+"""One rank of the TP-vs-whole agreement check (run by test_tensor_parallel_agreement.py, one process per rank).
+
+Every rank builds the same whole model with random weights (same seed), then its shard of it; rank 0 compares
+the shard group's logits with the whole model's on a batch of three prefill spans and writes the errors.
+
+    python -m tests.engine.tp_agreement RANK SIZE INIT_METHOD SHAPE_JSON DEVICE OUT_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+
+def main(rank: int, size: int, init: str, shape: dict, device: str, out: str) -> None:
+    from loraplane.server.engine.attention import AttentionMetadata, PrefillSpan
+    from loraplane.server.engine.model_config import ModelConfig
+    from loraplane.server.engine.parallel.group import destroy_group, init_group
+    from loraplane.server.engine.parallel.loader import shard_model
+    from loraplane.server.engine.weights import random_model
+
+    torch.set_num_threads(1)
+    tp = init_group(rank, size, init, torch.device(device))
+    dtype = torch.bfloat16 if tp.device.type == "cuda" else torch.float32
+    cfg = ModelConfig.from_dict(shape, max_model_len=256)
+    full = random_model(cfg, tp.device, dtype, seed=0)
+    shard = shard_model(full, tp)
+    lens = (5, 40, 17)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=gen).to(tp.device)
+    positions = torch.cat([torch.arange(n) for n in lens]).to(tp.device)
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    meta = AttentionMetadata(slot_mapping=torch.full((sum(lens),), -1, device=tp.device),
+                             prefill=[PrefillSpan(s, n, n, -1) for s, n in zip(starts, lens, strict=True)])  # fmt: skip
+    rows = torch.tensor([s + n - 1 for s, n in zip(starts, lens, strict=True)], device=tp.device)
+    errors = {}
+    with torch.inference_mode():
+        for model in (shard, full):
+            model.init_rope(256, tp.device)
+            for layer in model.model.layers:  # nothing is stored (slots -1) or read from the cache
+                layer.self_attn.k_cache = torch.zeros(1, 16, model.config.num_kv_heads, cfg.head_dim,
+                                                      dtype=dtype, device=tp.device)  # fmt: skip
+                layer.self_attn.v_cache = torch.zeros_like(layer.self_attn.k_cache)
+        got = shard(ids, positions, meta, rows)  # every rank: the collectives pair up
+        if rank == 0:
+            want = full(ids, positions, meta, rows)
+            diff = (got.double() - want.double()).abs()
+            errors = {
+                "max_abs": diff.max().item(),
+                "max_rel_norm": max(
+                    ((got[i].double() - want[i].double()).norm() / want[i].double().norm()).item()
+                    for i in range(len(lens))
+                ),
+                "greedy_equal": bool((got.argmax(-1) == want.argmax(-1)).all()),
+                "dtype": str(dtype),
+            }
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(errors, f)
+    destroy_group()
+
+
+if __name__ == "__main__":
+    r, n, init, shape, dev, out = sys.argv[1:7]
+    main(int(r), int(n), init, json.loads(shape), dev, out)
