@@ -31,7 +31,7 @@ DATA_DIR = REPO / "demo" / "data"
 ADAPTERS_DIR = REPO / "demo" / "adapters"
 KEYS_DIR = REPO / "demo" / "keys"
 # name -> epochs: answering in another language takes longer to learn than a tone of voice
-ADAPTERS = {"french": 3, "pirate": 2, "shakespeare": 2}
+ADAPTERS = {"french": 4, "pirate": 2, "shakespeare": 2}
 VERSION = "v1"
 BASE_NAME = "SmolLM2-135M-Instruct"
 

@@ -1,1 +1,1 @@
-{"alg":"ed25519","key_id":"3b78fd3f1eb3ea45","manifest_digest":"sha256:b98d642fcd0486c1ab46b51a6c2f19cb12e292210dfde191916e9af52b12b3ba","signature":"KHmzhCMulesJIB8bLIy5kng4xs2ac0pN2y2Kl+rnFwaYEX51S1PSWJTzIErDgxVSQQHOHYwzeu2fnW/PMMTLCA=="}
+{"alg":"ed25519","key_id":"fa4b40923c77fe63","manifest_digest":"sha256:6a100917aa04f38fc65f498114d2d4b942c6dd1b7a2589379c01c3f22f393c42","signature":"x2qOsi0+hDXsUq0W7uM7mT/aRbvBGH0s4LhSypX5Fqj8UhLSG1Y1fnpAl4HtSZ7EG9mLA+vWN9+LvzVGFiX/Bw=="}

@@ -1,1 +1,1 @@
-{"alg":"ed25519","key_id":"3b78fd3f1eb3ea45","manifest_digest":"sha256:7c1a390bc93c0cc76c7896dff3668270b280da1a6d9af2fc69fbf03eea1f2e9b","signature":"vaB4ZXQ/J43Hn5K4W0xPesN1FGqpU4D0hsxHWOC0Gl3oJYEi774Pr2nucv7rbE37sBscevuYw647dijvQC4DCA=="}
+{"alg":"ed25519","key_id":"fa4b40923c77fe63","manifest_digest":"sha256:5e6948f0ed63e2f20af1995327cbde21b00d94cfae94b90d2c9db98b36f2c7f6","signature":"PCNIj+E5l2IEorEVXHW3M/hhM7R+Wr8zaj3wTV1JabtodiALABhyZSMX9staqC6z4U3qFNwvIMYTCJG9g2aJAw=="}

@@ -1,1 +1,1 @@
-{"alg":"ed25519","key_id":"3b78fd3f1eb3ea45","manifest_digest":"sha256:caa38861e943189bcea94327acb9fead13ad30969c3b31e5d980b29a754941dc","signature":"6/Ac9AtUWINlAzkObGGR/v+z/LZf1OOu/UhebPXDOiRMkxQSiQqrnuzCIrRr6xJ0Wyn9rBw16QCRQ6KeB4eRDQ=="}
+{"alg":"ed25519","key_id":"fa4b40923c77fe63","manifest_digest":"sha256:8f6dd0842ca8c5b844dd936652cc9df3b98d2adaa8da642aa06a1d61fbc794f7","signature":"hhUS6mBL1ulP+BjTgM8qQeJOzQm1fuySjZRV4ixRJzn1/Dax68H9xvjeUBhMrNyl11/rAIhJ4DvHwfJoqS8kDA=="}
