@@ -1,1 +1,1 @@
-{"alg":"ed25519","key_id":"fa4b40923c77fe63","manifest_digest":"sha256:6a100917aa04f38fc65f498114d2d4b942c6dd1b7a2589379c01c3f22f393c42","signature":"x2qOsi0+hDXsUq0W7uM7mT/aRbvBGH0s4LhSypX5Fqj8UhLSG1Y1fnpAl4HtSZ7EG9mLA+vWN9+LvzVGFiX/Bw=="}
+{"alg":"ed25519","key_id":"6be34d9e80c25282","manifest_digest":"sha256:afdf4aa8dff6f3a73d3c8290c747fe40855c79a1a6a129a9649affda8c81e913","signature":"9hqB1kpHu62GTphV4r0MbysmuOhBvR0DaVvvB0eXvE3tv4Lvoo7zOYkihoqQrNQ9z363SvYUABDG85q7gPkAAg=="}

@@ -1,1 +1,1 @@
-{"alg":"ed25519","key_id":"fa4b40923c77fe63","manifest_digest":"sha256:5e6948f0ed63e2f20af1995327cbde21b00d94cfae94b90d2c9db98b36f2c7f6","signature":"PCNIj+E5l2IEorEVXHW3M/hhM7R+Wr8zaj3wTV1JabtodiALABhyZSMX9staqC6z4U3qFNwvIMYTCJG9g2aJAw=="}
+{"alg":"ed25519","key_id":"6be34d9e80c25282","manifest_digest":"sha256:9d8f893fe91715f8752878d13e98b105deffa326e33a0300117618fb97dc276d","signature":"0PDwper4GCO6t7/Jr0fzAioGb1CE4iJAodTVQg6EGd4zHPi5TKOQE3Y7G6VCdV85JbhIds9qjqYRnOM+hJUKCw=="}

@@ -1,1 +1,1 @@
-{"alg":"ed25519","key_id":"fa4b40923c77fe63","manifest_digest":"sha256:8f6dd0842ca8c5b844dd936652cc9df3b98d2adaa8da642aa06a1d61fbc794f7","signature":"hhUS6mBL1ulP+BjTgM8qQeJOzQm1fuySjZRV4ixRJzn1/Dax68H9xvjeUBhMrNyl11/rAIhJ4DvHwfJoqS8kDA=="}
+{"alg":"ed25519","key_id":"6be34d9e80c25282","manifest_digest":"sha256:c879d1cc046185d0f3cf58eb57e70c8c18ff4a245b5fc46ea1f02185afa9fb35","signature":"0eVl9pu1xOmDBCk5vmFXo8gXkxO5C5N+mC1hS8Rqpdrl+zB2q8Eq8/GCTO3o9kDR3U5SW1E6F1lV7j8vcuiZBg=="}
