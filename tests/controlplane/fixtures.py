@@ -20,17 +20,10 @@ from tests.controlplane.cluster import REPO_ROOT, ControlPlane
 _numbers = itertools.count(1)
 
 
-def install_crds(plane: ControlPlane) -> None:
-    plane.kubectl("apply", "--server-side", "-f", str(REPO_ROOT / "crds"))
-    plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd/lorabases.loraplane.dev",
-                  "crd/loraadapters.loraplane.dev")  # fmt: skip
-
-
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    plane = ControlPlane.start(Path(tmp_path_factory.mktemp("controlplane")))
+    plane = ControlPlane.start(Path(tmp_path_factory.mktemp("controlplane")), crds=(REPO_ROOT / "crds",))
     try:
-        install_crds(plane)
         yield plane
     finally:
         plane.stop()
