@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -141,11 +142,14 @@ class Stack:
         return "\n".join(f"--- {c.log}\n{container_log_tail(c, 1500)}" for c in self.runtime.started)
 
     def admin_calls(self, method: str, name: str = "") -> int:
-        """Admin API calls of ``method`` (on adapter ``name``) that the server Pods logged (uvicorn's access log)."""
+        """Admin API calls of ``method`` on adapter ``name`` that the server Pods logged: their access lines, in
+        uvicorn's text or the server's own (text or JSON) format."""
         if self.runtime is None:
             return 0
-        return sum(c.log.read_text(errors="replace").count(f'"{method} /admin/adapters/{name}')
-                   for c in self.runtime.started if c.log.exists())  # fmt: skip
+        verb, path = re.compile(rf"\b{method}\b"), f"/admin/adapters/{name}"
+        lines = (line for c in self.runtime.started if c.log.exists()
+                 for line in c.log.read_text(errors="replace").splitlines())  # fmt: skip
+        return sum(1 for line in lines if path in line and verb.search(line))
 
 
 def build_stack(plane, namespace: str, workdir: Path, s3, model_dir: Path, base_hash: str) -> Stack:
