@@ -45,9 +45,11 @@ def peft_answer(stack, label: str) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(stack.model_dir)
-    model = AutoModelForCausalLM.from_pretrained(stack.model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(stack.model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(model, stack.folders[label]).eval()
-    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt")
+    ids = tokenizer.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False)
     return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
