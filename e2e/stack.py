@@ -142,13 +142,17 @@ class Stack:
         return "\n".join(f"--- {c.log}\n{container_log_tail(c, 1500)}" for c in self.runtime.started)
 
     def admin_calls(self, method: str, name: str = "") -> int:
-        """Admin API calls of ``method`` on adapter ``name`` that the server Pods logged: their access lines, in
-        uvicorn's text or the server's own (text or JSON) format."""
+        """Admin API calls of ``method`` on adapter ``name`` that the server Pods (not the operator's) logged: their
+        access lines, in uvicorn's text or the server's own (text or JSON) format."""
         if self.runtime is None:
             return 0
         verb, path = re.compile(rf"\b{method}\b"), f"/admin/adapters/{name}"
-        lines = (line for c in self.runtime.started if c.log.exists()
-                 for line in c.log.read_text(errors="replace").splitlines())  # fmt: skip
+        servers = [
+            c.log
+            for c in self.runtime.started
+            if c.log.exists() and not c.log.parent.name.startswith(RELEASE)
+        ]
+        lines = (line for log in servers for line in log.read_text(errors="replace").splitlines())
         return sum(1 for line in lines if path in line and verb.search(line))
 
 
