@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+import yaml
 
 from e2e.stack import ADMIN_TOKEN, condition, wait_for
 from e2e.test_scenarios import POD_START, ensure_base
@@ -165,7 +166,7 @@ def test_scenario_8_a_tenant_key_cannot_call_another_tenants_adapter(serving):
     stack = serving
     keys = {"keys": [{"key": "tenant-a-key-0123456789", "adapters": ["beta"]},
                      {"key": "tenant-b-key-0123456789", "adapters": ["gamma"]}]}  # fmt: skip
-    stack.secret("api-keys", {"api-keys.yaml": json.dumps(keys)})
+    stack.secret("api-keys", {"api-keys.yaml": yaml.safe_dump(keys)})
     manifest = stack.base_manifest()
     manifest["spec"]["auth"] = {"apiKeysSecretRef": {"name": "api-keys"}}
     stack.apply(manifest)
