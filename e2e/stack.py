@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraplane.operator.policy import SECRET_LABEL
 from tests.adapter_factory import build_signed_adapter, make_keys, push_adapter
 from tests.chart.chart import CHART, ensure_tools
 from tests.controlplane.kubelet import Kubelet
@@ -74,12 +75,15 @@ class Stack:
 
     def install_chart(self) -> str:
         return self.helm("install", RELEASE, str(CHART), "--namespace", self.namespace,
-                         "--set", "operator.driftCheckIntervalSeconds=5")  # fmt: skip
+                         "--set", "operator.driftCheckIntervalSeconds=5",
+                         "--set-json", f"operator.policy.allowedS3Endpoints={json.dumps([self.s3.url])}")  # fmt: skip
 
-    def secret(self, name: str, data: dict[str, str]) -> None:
+    def secret(self, name: str, data: dict[str, str], labeled: bool = True) -> None:
+        """A Secret; ``labeled``: carries the label that lets the operator use it."""
         encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
-        self.plane.create({"apiVersion": "v1", "kind": "Secret",
-                           "metadata": {"name": name, "namespace": self.namespace}, "data": encoded})  # fmt: skip
+        labels = {SECRET_LABEL: "true"} if labeled else {}
+        self.plane.create({"apiVersion": "v1", "kind": "Secret", "data": encoded,
+                           "metadata": {"name": name, "namespace": self.namespace, "labels": labels}})  # fmt: skip
 
     def start_kubelet(self) -> None:
         self.runtime = ProcessRuntime(self.plane, self.workdir / "pods")
@@ -167,5 +171,5 @@ def build_stack(plane, namespace: str, workdir: Path, s3, model_dir: Path, base_
     stack.secret("admin-token", {"token": ADMIN_TOKEN})
     stack.secret("signers", {"release.pem": keys.public_pem.decode()})
     stack.secret("s3", {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key})
-    stack.secret("unrelated", {"password": "not-for-the-operator"})
+    stack.secret("unrelated", {"password": "not-for-the-operator"}, labeled=False)
     return stack

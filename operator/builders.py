@@ -15,6 +15,7 @@ import json
 import secrets as _secrets
 
 from loraplane.operator.crd_models import API_VERSION, BaseSpec
+from loraplane.operator.policy import SECRET_LABEL
 
 OPENAI_PORT = 8000
 ADMIN_PORT = 8001
@@ -79,11 +80,13 @@ def admin_token_key(spec: BaseSpec) -> str:
 def build_admin_token_secret(base: dict, token: str | None = None) -> dict:
     """The generated admin token, owned by the LoRABase. ``token`` is for tests; None draws 32 random bytes."""
     value = token or _secrets.token_urlsafe(32)
+    metadata = _metadata(base, f"{base['metadata']['name']}-admin-token")
+    metadata["labels"][SECRET_LABEL] = "true"  # the operator's own, for the operator
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(base, f"{base['metadata']['name']}-admin-token"),
+        "metadata": metadata,
         "data": {"token": base64.b64encode(value.encode()).decode()},
     }
 
@@ -181,11 +184,12 @@ def _probe(path: str, period: int, failures: int) -> dict:
     }
 
 
-def build_pod_template(base: dict, spec: BaseSpec) -> dict:
+def build_pod_template(base: dict, spec: BaseSpec, image: str | None = None) -> dict:
+    """``image``: the one the operator's policy chose (a pinned image), else ``spec.image``."""
     volumes, mounts = _volumes(base, spec)
     container = {
         "name": CONTAINER,
-        "image": spec.image,
+        "image": image or spec.image,
         "args": server_args(spec, admin_token_key(spec), api_keys=bool(spec.api_keys_secret)),
         "ports": [
             {"name": "http", "containerPort": OPENAI_PORT, "protocol": "TCP"},
@@ -234,7 +238,7 @@ def template_hash(template: dict) -> str:
     return hashlib.sha256(canonical).hexdigest()[:16]
 
 
-def build_deployment(base: dict, spec: BaseSpec) -> dict:
+def build_deployment(base: dict, spec: BaseSpec, image: str | None = None) -> dict:
     name = base["metadata"]["name"]
     return {
         "apiVersion": "apps/v1",
@@ -245,7 +249,7 @@ def build_deployment(base: dict, spec: BaseSpec) -> dict:
             "selector": {"matchLabels": selector(name)},
             # GPU pools rarely hold a spare GPU for a surge pod: replace one pod at a time, which always progresses.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            "template": build_pod_template(base, spec),
+            "template": build_pod_template(base, spec, image),
         },
     }
 

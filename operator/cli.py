@@ -3,7 +3,7 @@
     loraplane operator run --namespace ml-serving [--namespace other] [--standalone] \\
         [--liveness http://0.0.0.0:8080/healthz] [--metrics-port 9090] [--peering loraplane]
     loraplane operator run --all-namespaces
-    loraplane operator crds [--write DIR | --check DIR]
+    loraplane operator crds [--write [DIR] | --check [DIR]]   (DIR: crds/)
 
 The Kubernetes configuration is loaded once, explicitly: ``--kubeconfig`` (or $KUBECONFIG, read
 here and passed on by path), else the in-cluster service account.
@@ -17,6 +17,17 @@ import os
 import sys
 
 from loraplane.operator.context import DEFAULT_DRIFT_INTERVAL, Tunables
+from loraplane.operator.policy import DEFAULT_REGISTRIES, OperatorPolicy
+
+
+def policy_of(args) -> OperatorPolicy:
+    """The operator's policy from its flags (ValueError names the flag)."""
+    return OperatorPolicy(
+        allowed_s3_endpoints=tuple(args.allowed_s3_endpoint),
+        host_path_prefix=args.host_path_prefix,
+        allowed_registries=tuple(args.allowed_registry) or DEFAULT_REGISTRIES,
+        server_image=args.server_image,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -46,6 +57,31 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_DRIFT_INTERVAL,
         help="seconds between drift checks of each adapter against its pods",
     )
+    policy = run.add_argument_group("policy", "what a LoRABase may ask of the operator (docs/security.md)")
+    policy.add_argument(
+        "--allowed-s3-endpoint",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an S3 endpoint LoRABases may name (repeatable); none: AWS's endpoints only",
+    )
+    policy.add_argument(
+        "--host-path-prefix",
+        metavar="DIR",
+        help="hostPath caches only at or under DIR (never /); unset: no hostPath caches",
+    )
+    policy.add_argument(
+        "--allowed-registry",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help=f"server images only from PREFIX/... (repeatable; default {DEFAULT_REGISTRIES[0]})",
+    )
+    policy.add_argument(
+        "--server-image",
+        metavar="IMAGE",
+        help="pin every server pod to IMAGE; LoRABases may leave spec.image empty or name it",
+    )
     run.add_argument("--verbose", action="store_true")
     sub.add_parser("crds", help="write or check the CRD YAML: crds --write DIR | --check DIR")
     return parser  # fmt: skip
@@ -65,7 +101,9 @@ def run(args) -> int:
 
         start_http_server(args.metrics_port)
     ctx = Context(
-        Kube(load_api_client(args.kubeconfig, args.context)), Tunables(drift_interval=args.drift_interval)
+        Kube(load_api_client(args.kubeconfig, args.context)),
+        Tunables(drift_interval=args.drift_interval),
+        policy=policy_of(args),
     )
     kopf.run(
         registry=kopf.get_default_registry(),
@@ -89,4 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         from loraplane.operator import crds
 
         return crds.main(argv[1:])
-    return run(_parser().parse_args(argv))
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        policy_of(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run(args)

@@ -34,6 +34,10 @@ BASE_MISMATCH = "BaseMismatch"  # trained for another base (manifest base hash !
 RANK_TOO_HIGH = "RankTooHigh"  # a LoRA rank above LoRABase.spec.engine.maxRank
 UNKNOWN_MODULE = "UnknownModule"  # a target module the engine does not serve
 DIGEST_MISMATCH = "DigestMismatch"  # the manifest digest differs from spec.source.manifestDigest
+IDENTITY_MISMATCH = "IdentityMismatch"  # the signed name/version differ from metadata.name/spec.version
+ROLLBACK_REFUSED = (
+    "RollbackRefused"  # signed before the serving version, and spec.source.manifestDigest unset
+)
 SOURCE_UNREACHABLE = "SourceUnreachable"  # S3 kept failing; retried with backoff
 NOT_FOUND = "NotFound"  # no manifest at spec.source.uri
 ACCESS_DENIED = "AccessDenied"  # S3 refused the operator's credentials
@@ -73,6 +77,8 @@ ARTIFACT_REASONS = frozenset(
         RANK_TOO_HIGH,
         UNKNOWN_MODULE,
         DIGEST_MISMATCH,
+        IDENTITY_MISMATCH,
+        ROLLBACK_REFUSED,
         SOURCE_UNREACHABLE,
         NOT_FOUND,
         ACCESS_DENIED,

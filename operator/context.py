@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from loraplane.operator.admin_client import AdminClient
 from loraplane.operator.builders import ADMIN_PORT
 from loraplane.operator.kube import Kube
+from loraplane.operator.policy import OperatorPolicy
 
 DEFAULT_DRIFT_INTERVAL = 30.0
 
@@ -45,6 +46,7 @@ class Context:
     kube: Kube
     tunables: Tunables = field(default_factory=Tunables)
     admin: AdminClient | None = None
+    policy: OperatorPolicy = field(default_factory=OperatorPolicy)  # what a LoRABase may ask for
     validated: OrderedDict = field(default_factory=OrderedDict)  # validation key -> VerifiedManifest
     failures: dict = field(default_factory=dict)  # (uid, generation) -> consecutive failures (backoff only)
     fingerprints: dict = field(default_factory=dict)  # base key -> what adapters care about

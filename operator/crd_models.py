@@ -1,21 +1,33 @@
-"""Typed, validated views of LoRABase and LoRAAdapter specs, and the defaults the CRD schemas publish.
+"""The LoRABase and LoRAAdapter spec API: one pydantic model per section, the one description of each field.
 
-The CRD schemas (crds.py) and these parsers share the constants below, so a default or a bound is
-written once. The API server validates with the schema; these parsers validate again (clusters without
-the CRD's CEL rules, and the emulator, do not), and every error names the field.
+Each field's description, bounds, pattern, enum and default live on the field; CEL rules live on the
+model or field that carries them (``Rule``: the CEL the API server evaluates and the same check in
+Python). ``operator/openapi.py`` turns these models into the CRDs' structural schemas, and the
+operator parses specs with them, so the API server and the operator refuse the same specs, and every
+error names the field as kubectl shows it (``spec.engine.maxRank``).
+
+Python names are snake_case; the API's camelCase comes from aliases. Parsing is strict (no "3" for 3),
+as the API server's schema is; unknown fields are ignored and nulls are absent, as the API server
+prunes both. Status sections and the whole objects: crd_objects.py; the base model, Rule and SpecError:
+crd_base.py.
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, Field
+
+from loraplane.operator.crd_base import ApiModel, Rule, SpecError, cel, spec_error  # noqa: F401  (re-exported)
 
 GROUP = "loraplane.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 BASE_PLURAL, ADAPTER_PLURAL = "lorabases", "loraadapters"
 
-NAME_PATTERN = r"^[a-z0-9-]{1,63}$"
+# A DNS-1123 label: fits a URL path segment, a Prometheus label value, a Secret and a LoRABase name.
+NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+NAME_MAX = 63
 SHA256_PATTERN = r"^[a-f0-9]{64}$"
 DIGEST_PATTERN = r"^sha256:[a-f0-9]{64}$"
 VERSION_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"
@@ -47,254 +59,260 @@ _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 _UNITS.update({"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40})
 
 
-class SpecError(ValueError):
-    """A spec field is missing or out of bounds; ``field`` is its path (``spec.model.sha256``)."""
-
-    def __init__(self, field_: str, message: str):
-        super().__init__(f"{field_}: {message}")
-        self.field = field_
-
-
-def quantity_bytes(value: str | int, field_: str) -> int:
+def quantity_bytes(value: str | int, field_: str = "quantity") -> int:
     """``"4Gi"`` -> 4294967296 (the subset of Kubernetes quantities the schema allows)."""
-    match = re.match(QUANTITY_PATTERN, str(value))
-    if not match:
+    text = str(value)
+    digits = text.rstrip("KMGTi")
+    unit = text[len(digits) :]
+    if not digits.isdigit() or unit not in _UNITS:
         raise SpecError(field_, f"{value!r} is not a byte quantity such as 4Gi or 512Mi")
-    return int(str(value)[: match.start(1)] if match.group(1) else value) * _UNITS[match.group(1) or ""]
+    return int(digits) * _UNITS[unit]
 
 
-def _get(obj: dict, key: str, path: str, kind: type, default=None, required: bool = False):
-    value = (obj or {}).get(key, default)
-    if value is None:
-        if required:
-            raise SpecError(f"{path}.{key}", "is required")
-        return None
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise SpecError(f"{path}.{key}", f"must be {kind.__name__}, got {value!r}")
-    return value
+Name = Annotated[str, Field(pattern=NAME_PATTERN, max_length=NAME_MAX)]
+# Parsed to bytes; the API and the schema keep the string.
+Bytes = Annotated[str, Field(pattern=QUANTITY_PATTERN), AfterValidator(quantity_bytes)]
+S3_URI = Rule("self.startsWith('s3://') && size(self) > 5", "must be an s3://bucket/prefix/ URI",
+              lambda uri: uri.startswith("s3://") and len(uri) > 5)  # fmt: skip
 
 
-def _match(value: str, pattern: str, field_: str) -> str:
-    if not re.match(pattern, value):
-        raise SpecError(field_, f"{value!r} does not match {pattern}")
-    return value
+# --- LoRABase ------------------------------------------------------------------------------------------
+class ModelRef(ApiModel):
+    """The base model every pod of this LoRABase serves."""
+
+    uri: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Where the base weights are (s3://..., a path baked into the image, or a hub id).",
+    )
+    sha256: str = Field(
+        pattern=SHA256_PATTERN,
+        description="Pinned base hash: sha256 of the weight files' content, as `loraplane model hash` "
+        "prints it. Pods refuse to start on other weights; adapters trained for another base are refused.",
+    )
 
 
-def _bounded(value, low, high, field_: str):
-    if not low <= value <= high:
-        raise SpecError(field_, f"{value!r} is outside [{low}, {high}]")
-    return value
+class Resources(ApiModel):
+    """Compute per pod."""
+
+    gpus: int = Field(DEFAULT_GPUS, ge=0, le=16, description="GPUs per pod.")
+    gpu_resource: str = Field(DEFAULT_GPU_RESOURCE, description="Extended resource name of a GPU.")
+    cpu: str | None = Field(None, description="CPU request and limit, a Kubernetes quantity (for example 8).")
+    memory: str | None = Field(
+        None, description="Memory request and limit, a Kubernetes quantity (for example 64Gi)."
+    )
 
 
-def _secret_name(spec: dict, section: str, ref: str) -> str | None:
-    """``spec.<section>.<ref>.name``, checked, or None when the reference is absent."""
-    outer = _get(spec, section, "spec", dict, {})
-    inner = _get(outer, ref, f"spec.{section}", dict, {})
-    name = _get(inner, "name", f"spec.{section}.{ref}", str)
-    return _match(name, NAME_PATTERN, f"spec.{section}.{ref}.name") if name else None
+class EngineSpec(ApiModel):
+    """Engine settings passed to `loraplane serve`."""
+
+    gpu_adapter_bytes: Bytes = Field(
+        DEFAULT_GPU_ADAPTER_BYTES, description="GPU memory reserved for resident adapters."
+    )
+    host_adapter_bytes: Bytes = Field(
+        DEFAULT_HOST_ADAPTER_BYTES, description="Pinned host RAM for warm adapters."
+    )
+    max_rank: int = Field(
+        DEFAULT_MAX_RANK,
+        ge=1,
+        le=MAX_RANK_LIMIT,
+        description="Largest LoRA rank served; higher-rank adapters are refused (RankTooHigh).",
+    )
+    kv_cache_fraction: float = Field(
+        DEFAULT_KV_FRACTION,
+        ge=0.05,
+        le=0.98,
+        description="Fraction of free GPU memory given to the KV cache.",
+    )
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1, le=4096, description="Most sequences in one step.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(DEFAULT_DTYPE, description="Compute dtype.")  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class SecretKeyRef:
-    """A Secret in the object's namespace, read by name only."""
+class HostCache(ApiModel):
+    """The pods' content-addressed adapter cache on the node."""
 
-    name: str
-    key: str
-
-    @classmethod
-    def parse(cls, obj: dict | None, path: str, default_key: str) -> SecretKeyRef | None:
-        if not obj:
-            return None
-        name = _match(_get(obj, "name", path, str, required=True), NAME_PATTERN, f"{path}.name")
-        return cls(name, _get(obj, "key", path, str, default_key))
-
-
-@dataclass(frozen=True, slots=True)
-class Storage:
-    endpoint: str | None
-    region: str | None
-    credentials: str | None  # Secret name holding AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
-    access_key_id_key: str = DEFAULT_ACCESS_KEY_ID_KEY
-    secret_access_key_key: str = DEFAULT_SECRET_ACCESS_KEY_KEY
-
-    @classmethod
-    def parse(cls, storage: dict) -> Storage:
-        creds = _get(storage, "credentialsSecretRef", "spec.storage", dict, {})
-        name = _get(creds, "name", "spec.storage.credentialsSecretRef", str)
-        return cls(
-            endpoint=_get(storage, "endpoint", "spec.storage", str),
-            region=_get(storage, "region", "spec.storage", str),
-            credentials=_match(name, NAME_PATTERN, "spec.storage.credentialsSecretRef.name")
-            if name
-            else None,
-            access_key_id_key=_get(
-                creds, "accessKeyIdKey", "spec.storage.credentialsSecretRef", str, DEFAULT_ACCESS_KEY_ID_KEY
-            ),
-            secret_access_key_key=_get(
-                creds,
-                "secretAccessKeyKey",
-                "spec.storage.credentialsSecretRef",
-                str,
-                DEFAULT_SECRET_ACCESS_KEY_KEY,
-            ),
-        )
+    RULES = (
+        Rule("self.type != 'hostPath' || has(self.path)", "path is required when type is hostPath",
+             lambda cache: cache.type != "hostPath" or cache.path is not None, ".path"),
+    )  # fmt: skip
+    type: Literal["emptyDir", "hostPath"] = Field(
+        "emptyDir", description="emptyDir (per pod) or hostPath (shared by the pods of a node)."
+    )
+    path: str | None = Field(
+        None, pattern=r"^/[^\x00]*$", max_length=1024, description="Node directory when type is hostPath."
+    )
+    size_limit: str = Field(DEFAULT_HOST_CACHE_SIZE, pattern=QUANTITY_PATTERN,
+                            description="Largest cache size; least-recently-used versions go first.")  # fmt: skip
 
 
-@dataclass(frozen=True, slots=True)
-class EngineSpec:
-    gpu_adapter_bytes: int
-    host_adapter_bytes: int
-    max_rank: int
-    kv_cache_fraction: float
-    max_num_seqs: int
-    dtype: str
+class SecretRef(ApiModel):
+    """A Secret in this namespace, read by name only."""
 
-    @classmethod
-    def parse(cls, eng: dict) -> EngineSpec:
-        dtype = _get(eng, "dtype", "spec.engine", str, DEFAULT_DTYPE)
-        if dtype not in DTYPES:
-            raise SpecError("spec.engine.dtype", f"{dtype!r} is not one of {DTYPES}")
-        return cls(
-            gpu_adapter_bytes=quantity_bytes(
-                _get(eng, "gpuAdapterBytes", "spec.engine", str, DEFAULT_GPU_ADAPTER_BYTES),
-                "spec.engine.gpuAdapterBytes",
-            ),
-            host_adapter_bytes=quantity_bytes(
-                _get(eng, "hostAdapterBytes", "spec.engine", str, DEFAULT_HOST_ADAPTER_BYTES),
-                "spec.engine.hostAdapterBytes",
-            ),
-            max_rank=_bounded(
-                _get(eng, "maxRank", "spec.engine", int, DEFAULT_MAX_RANK),
-                1,
-                MAX_RANK_LIMIT,
-                "spec.engine.maxRank",
-            ),
-            kv_cache_fraction=_bounded(
-                _get(eng, "kvCacheFraction", "spec.engine", float, DEFAULT_KV_FRACTION),
-                0.05,
-                0.98,
-                "spec.engine.kvCacheFraction",
-            ),
-            max_num_seqs=_bounded(
-                _get(eng, "maxNumSeqs", "spec.engine", int, DEFAULT_MAX_NUM_SEQS),
-                1,
-                4096,
-                "spec.engine.maxNumSeqs",
-            ),
-            dtype=dtype,
-        )
+    name: Name = Field(description="Name of a Secret in this namespace. The operator reads it by name only.")
 
 
-@dataclass(frozen=True, slots=True)
-class BaseSpec:
-    model_uri: str
-    model_sha256: str
-    replicas: int
-    image: str
-    gpus: int
-    gpu_resource: str
-    cpu: str | None
-    memory: str | None
-    engine: EngineSpec
-    host_cache_type: str
-    host_cache_path: str | None
-    host_cache_size: str
-    storage: Storage
-    trusted_keys_secret: str | None
-    api_keys_secret: str | None
-    admin_token: SecretKeyRef | None  # None: the operator creates <base>-admin-token
-    node_selector: dict = field(default_factory=dict)
-    tolerations: list = field(default_factory=list)
-    affinity: dict = field(default_factory=dict)
+class S3CredentialsRef(SecretRef):
+    """Secret with S3 credentials, mounted into pods by reference."""
 
-    @classmethod
-    def parse(cls, spec: dict) -> BaseSpec:
-        model = _get(spec, "model", "spec", dict, required=True)
-        sha = _match(
-            _get(model, "sha256", "spec.model", str, required=True), SHA256_PATTERN, "spec.model.sha256"
-        )
-        eng = _get(spec, "engine", "spec", dict, {})
-        res = _get(spec, "resources", "spec", dict, {})
-        cache = _get(spec, "hostCache", "spec", dict, {})
-        storage = _get(spec, "storage", "spec", dict, {})
-        cache_type = _get(cache, "type", "spec.hostCache", str, "emptyDir")
-        if cache_type not in HOST_CACHE_TYPES:
-            raise SpecError("spec.hostCache.type", f"{cache_type!r} is not one of {HOST_CACHE_TYPES}")
-        if cache_type == "hostPath" and not cache.get("path"):
-            raise SpecError("spec.hostCache.path", "is required when type is hostPath")
-        return cls(
-            model_uri=_get(model, "uri", "spec.model", str, required=True),
-            model_sha256=sha,
-            replicas=_bounded(
-                _get(spec, "replicas", "spec", int, DEFAULT_REPLICAS), 0, MAX_REPLICAS, "spec.replicas"
-            ),
-            image=_get(spec, "image", "spec", str, DEFAULT_IMAGE),
-            gpus=_bounded(
-                _get(res, "gpus", "spec.resources", int, DEFAULT_GPUS), 0, 16, "spec.resources.gpus"
-            ),
-            gpu_resource=_get(res, "gpuResource", "spec.resources", str, DEFAULT_GPU_RESOURCE),
-            cpu=_get(res, "cpu", "spec.resources", str),
-            memory=_get(res, "memory", "spec.resources", str),
-            engine=EngineSpec.parse(eng),
-            host_cache_type=cache_type,
-            host_cache_path=cache.get("path"),
-            host_cache_size=_match(
-                _get(cache, "sizeLimit", "spec.hostCache", str, DEFAULT_HOST_CACHE_SIZE),
-                QUANTITY_PATTERN,
-                "spec.hostCache.sizeLimit",
-            ),
-            storage=Storage.parse(storage),
-            trusted_keys_secret=_secret_name(spec, "trust", "publicKeysSecretRef"),
-            api_keys_secret=_secret_name(spec, "auth", "apiKeysSecretRef"),
-            admin_token=SecretKeyRef.parse(
-                spec.get("adminTokenSecretRef"), "spec.adminTokenSecretRef", DEFAULT_ADMIN_TOKEN_KEY
-            ),
-            node_selector=_get(spec, "nodeSelector", "spec", dict, {}),
-            tolerations=_get(spec, "tolerations", "spec", list, []),
-            affinity=_get(spec, "affinity", "spec", dict, {}),
-        )
+    access_key_id_key: str = Field(
+        DEFAULT_ACCESS_KEY_ID_KEY, max_length=253, description="Key holding the access key id."
+    )
+    secret_access_key_key: str = Field(
+        DEFAULT_SECRET_ACCESS_KEY_KEY, max_length=253, description="Key holding the secret access key."
+    )
 
 
-@dataclass(frozen=True, slots=True)
-class AdapterSpec:
-    base: str
-    uri: str
-    manifest_digest: str | None
-    version: str
-    pin: bool
-    warm: str
-    max_unavailable: int
+class AdminTokenRef(SecretRef):
+    """Secret with the pods' admin API token. When absent the operator creates <name>-admin-token, owned by
+    this LoRABase."""
 
-    @classmethod
-    def parse(cls, spec: dict) -> AdapterSpec:
-        base = _get(spec, "baseRef", "spec", dict, required=True)
-        source = _get(spec, "source", "spec", dict, required=True)
-        uri = _get(source, "uri", "spec.source", str, required=True)
-        if not uri.startswith("s3://") or len(uri) <= len("s3://"):
-            raise SpecError("spec.source.uri", f"{uri!r} must start with s3://")
-        digest = _get(source, "manifestDigest", "spec.source", str)
-        residency = _get(spec, "residency", "spec", dict, {})
-        warm = _get(residency, "warm", "spec.residency", str, DEFAULT_WARM)
-        if warm not in WARM_TIERS:
-            raise SpecError("spec.residency.warm", f"{warm!r} is not one of {WARM_TIERS}")
-        rollout = _get(spec, "rollout", "spec", dict, {})
-        return cls(
-            base=_match(
-                _get(base, "name", "spec.baseRef", str, required=True), NAME_PATTERN, "spec.baseRef.name"
-            ),
-            uri=uri,
-            manifest_digest=_match(digest, DIGEST_PATTERN, "spec.source.manifestDigest") if digest else None,
-            version=_match(
-                _get(spec, "version", "spec", str, required=True), VERSION_PATTERN, "spec.version"
-            ),
-            pin=_get(residency, "pin", "spec.residency", bool, False),
-            warm=warm,
-            max_unavailable=_bounded(
-                _get(rollout, "maxUnavailable", "spec.rollout", int, DEFAULT_MAX_UNAVAILABLE),
-                1,
-                MAX_REPLICAS,
-                "spec.rollout.maxUnavailable",
-            ),
-        )
+    key: str = Field(DEFAULT_ADMIN_TOKEN_KEY, max_length=253, description="Key holding the token.")
+
+
+class Storage(ApiModel):
+    """S3 access for the operator (manifest validation) and the pods (pulls)."""
+
+    endpoint: str | None = Field(None, pattern=r"^https?://.+", max_length=1024,
+                                 description="S3 endpoint URL; empty for AWS.")  # fmt: skip
+    region: str | None = Field(None, max_length=64, description="S3 region.")
+    credentials_secret_ref: S3CredentialsRef | None = None
+
+    @property
+    def credentials(self) -> str | None:
+        """Name of the Secret holding the S3 credentials, or None."""
+        return self.credentials_secret_ref.name if self.credentials_secret_ref else None
+
+    @property
+    def access_key_id_key(self) -> str:
+        ref = self.credentials_secret_ref
+        return ref.access_key_id_key if ref else DEFAULT_ACCESS_KEY_ID_KEY
+
+    @property
+    def secret_access_key_key(self) -> str:
+        ref = self.credentials_secret_ref
+        return ref.secret_access_key_key if ref else DEFAULT_SECRET_ACCESS_KEY_KEY
+
+
+class PublicKeysRef(SecretRef):
+    """Secret whose every key is a trusted Ed25519 public key (PEM); its key is the key id."""
+
+
+class ApiKeysRef(SecretRef):
+    """Secret holding api-keys.yaml (API key -> allowed adapters), mounted."""
+
+
+class Trust(ApiModel):
+    """Who may sign adapters for this base."""
+
+    public_keys_secret_ref: PublicKeysRef | None = None
+
+
+class Auth(ApiModel):
+    """Client authentication of the OpenAI API."""
+
+    api_keys_secret_ref: ApiKeysRef | None = None
+
+
+FreeForm = dict[str, Any]  # a core/v1 type passed to the pod spec unchanged
+
+
+class LoRABaseSpec(ApiModel):
+    """Desired state of a pool of GPU server pods sharing one base model."""
+
+    model: ModelRef
+    replicas: int = Field(DEFAULT_REPLICAS, ge=0, le=MAX_REPLICAS, description="Number of server pods.")
+    image: str = Field(DEFAULT_IMAGE, min_length=1, description="Server container image.")
+    resources: Resources = Field(default_factory=Resources)
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    host_cache: HostCache = Field(default_factory=HostCache)
+    storage: Storage = Field(default_factory=Storage)
+    trust: Trust = Field(default_factory=Trust)
+    auth: Auth = Field(default_factory=Auth)
+    admin_token_secret_ref: AdminTokenRef | None = None
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector.")
+    tolerations: list[Annotated[FreeForm, Field(description="A toleration.")]] = Field(
+        default_factory=list, description="Pod tolerations (core/v1 Toleration)."
+    )
+    affinity: FreeForm = Field(default_factory=dict, description="Pod affinity (core/v1 Affinity).")
+
+    # The flat names the builders and reconcilers read.
+    model_uri = property(lambda self: self.model.uri)
+    model_sha256 = property(lambda self: self.model.sha256)
+    gpus = property(lambda self: self.resources.gpus)
+    gpu_resource = property(lambda self: self.resources.gpu_resource)
+    cpu = property(lambda self: self.resources.cpu)
+    memory = property(lambda self: self.resources.memory)
+    host_cache_type = property(lambda self: self.host_cache.type)
+    host_cache_path = property(lambda self: self.host_cache.path)
+    host_cache_size = property(lambda self: self.host_cache.size_limit)
+    admin_token = property(lambda self: self.admin_token_secret_ref)  # None: the operator creates one
+
+    @property
+    def trusted_keys_secret(self) -> str | None:
+        ref = self.trust.public_keys_secret_ref
+        return ref.name if ref else None
+
+    @property
+    def api_keys_secret(self) -> str | None:
+        ref = self.auth.api_keys_secret_ref
+        return ref.name if ref else None
+
+
+# --- LoRAAdapter ---------------------------------------------------------------------------------------
+class BaseRef(ApiModel):
+    """The LoRABase (same namespace) whose pods serve this adapter."""
+
+    name: Name = Field(description="Name of the LoRABase.")
+
+
+class Source(ApiModel):
+    """Where the signed adapter version is."""
+
+    uri: Annotated[str, AfterValidator(S3_URI.check)] = Field(
+        max_length=1024,
+        description="s3://bucket/prefix/ holding loraplane-manifest.json, its signature and the files.",
+        json_schema_extra=cel(S3_URI),
+    )
+    manifest_digest: str | None = Field(
+        None,
+        pattern=DIGEST_PATTERN,
+        description="Optional pin: sha256:<hex> of the manifest; anything else is refused (DigestMismatch).",
+    )
+
+
+class Residency(ApiModel):
+    """Where the adapter stays between requests."""
+
+    pin: bool = Field(False, description="Never evict from the warm tier.")
+    warm: Literal["gpu", "host"] = Field(
+        DEFAULT_WARM, description="Tier warmed before the pod reports ready."
+    )
+
+
+class Rollout(ApiModel):
+    """How a new version rolls."""
+
+    max_unavailable: int = Field(DEFAULT_MAX_UNAVAILABLE, ge=1, le=MAX_REPLICAS,
+                                 description="Pods loading the new version at once.")  # fmt: skip
+
+
+class LoRAAdapterSpec(ApiModel):
+    """Desired state of one LoRA adapter on every pod of a LoRABase."""
+
+    base_ref: BaseRef
+    source: Source
+    version: str = Field(pattern=VERSION_PATTERN,
+                         description="Human version label; the manifest digest is the identity.")  # fmt: skip
+    residency: Residency = Field(default_factory=Residency)
+    rollout: Rollout = Field(default_factory=Rollout)
+
+    base = property(lambda self: self.base_ref.name)
+    uri = property(lambda self: self.source.uri)
+    manifest_digest = property(lambda self: self.source.manifest_digest)
+    pin = property(lambda self: self.residency.pin)
+    warm = property(lambda self: self.residency.warm)
+    max_unavailable = property(lambda self: self.rollout.max_unavailable)
+
+
+# The names the rest of the operator imports.
+BaseSpec, AdapterSpec, SecretKeyRef = LoRABaseSpec, LoRAAdapterSpec, AdminTokenRef

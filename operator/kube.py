@@ -74,7 +74,7 @@ class Kube:
 
     def __init__(self, api: kubernetes.client.ApiClient):
         self.api = api
-        self._secret_cache: dict[tuple[str, str], tuple[float, dict[str, str]]] = {}
+        self._secret_cache: dict[tuple[str, str], tuple[float, tuple[dict, dict]]] = {}
 
     # --- raw calls ---------------------------------------------------------------------------------
     def _call(
@@ -113,6 +113,13 @@ class Kube:
 
     async def secret_data(self, namespace: str, name: str, ttl: float = 30.0) -> dict[str, str] | None:
         """A Secret's decoded data, read by name (never listed), cached briefly; None if absent."""
+        secret = await self.secret(namespace, name, ttl)
+        return None if secret is None else secret[1]
+
+    async def secret(
+        self, namespace: str, name: str, ttl: float = 30.0
+    ) -> tuple[dict[str, str], dict[str, str]] | None:
+        """(labels, decoded data) of a Secret, read by name (never listed), cached briefly; None if absent."""
         key = (namespace, name)
         cached = self._secret_cache.get(key)
         if cached and time.monotonic() - cached[0] < ttl:
@@ -123,8 +130,9 @@ class Kube:
             return None
         data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
         data.update(secret.get("stringData") or {})
-        self._secret_cache[key] = (time.monotonic(), data)
-        return data
+        labels = dict((secret.get("metadata") or {}).get("labels") or {})
+        self._secret_cache[key] = (time.monotonic(), (labels, data))
+        return labels, data
 
     # --- writes ------------------------------------------------------------------------------------
     async def create_if_absent(self, obj: dict) -> bool:

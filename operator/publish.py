@@ -8,6 +8,7 @@ import kopf
 
 from loraplane.operator import conditions as C
 from loraplane.operator.context import Context
+from loraplane.operator.crd_objects import status_patch
 from loraplane.operator.kube import Ref
 
 log = logging.getLogger(__name__)
@@ -23,7 +24,7 @@ def _clean(status: dict) -> dict:
 async def publish(ctx: Context, body: dict, ref: Ref, status: dict) -> bool:
     """Merge-patch ``status`` (None values delete keys) if it differs from the object's. True if written."""
     old = dict(body.get("status") or {})
-    status = dict(status)
+    status = status_patch(ref.plural, status)  # through the status model: what the schema says
     if "conditions" in status:
         status["conditions"] = C.merge(old.get("conditions"), status["conditions"])
     if _clean(status) == _clean({k: old.get(k) for k in status}):

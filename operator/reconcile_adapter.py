@@ -17,9 +17,17 @@ from loraplane.operator.admin_client import AdminError, LoadRequest, PodAddress
 from loraplane.operator.builders import admin_token_key, admin_token_secret_name
 from loraplane.operator.context import Context
 from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec, SpecError
+from loraplane.operator.crd_objects import LoRAAdapter
 from loraplane.operator.kube import custom_ref
 from loraplane.operator.publish import post_event, publish
-from loraplane.operator.validation import ValidationFailed, validate
+from loraplane.operator.validation import (
+    ValidationFailed,
+    check_base_policy,
+    check_identity,
+    check_not_older,
+    labeled_secret,
+    validate,
+)
 
 
 @dataclass(slots=True)
@@ -44,7 +52,11 @@ class Verdict:
 
 
 async def admin_token(ctx: Context, namespace: str, base: dict, spec: BaseSpec) -> str:
-    data = await ctx.kube.secret_data(namespace, admin_token_secret_name(base, spec))
+    name = admin_token_secret_name(base, spec)
+    if spec.admin_token is not None:  # named by the LoRABase: only if labeled for the operator
+        data = await labeled_secret(ctx, namespace, name, "spec.adminTokenSecretRef.name")
+    else:  # the operator's own
+        data = await ctx.kube.secret_data(namespace, name)
     token = (data or {}).get(admin_token_key(spec))
     if not token:
         raise ValidationFailed(
@@ -188,7 +200,7 @@ async def run_pass(
     meta = adapter["metadata"]
     namespace = meta["namespace"]
     try:
-        spec = AdapterSpec.parse(adapter.get("spec") or {})
+        spec = LoRAAdapter.parse(adapter).spec  # its name too: it goes into URLs and metric labels
     except SpecError as exc:
         verdict.fail("InvalidSpec", str(exc), validated=C.FALSE)
         return verdict, views
@@ -199,6 +211,7 @@ async def run_pass(
         return verdict, views
     try:
         base_spec = BaseSpec.parse(base.get("spec") or {})
+        await check_base_policy(ctx, namespace, base, base_spec)  # its endpoint and Secrets are used below
         token = await admin_token(ctx, namespace, base, base_spec)
     except SpecError as exc:
         verdict.fail(C.BASE_NOT_READY, f"the LoRABase is invalid: {exc}", validated=C.UNKNOWN)
@@ -208,6 +221,8 @@ async def run_pass(
         return verdict, views
     try:
         verified = await validate(ctx, namespace, base_spec, spec)
+        check_identity(meta["name"], spec.version, verified)
+        await check_not_older(ctx, namespace, base_spec, spec, adapter.get("status") or {}, verified)
     except ValidationFailed as exc:
         verdict.fail(exc.reason, exc.message, validated=C.UNKNOWN if exc.transient else C.FALSE)
         return verdict, await restore(ctx, adapter, spec, pods, token)

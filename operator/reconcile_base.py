@@ -15,17 +15,19 @@ from loraplane.operator import metrics
 from loraplane.operator.admin_client import AdminError, PodAddress
 from loraplane.operator.context import Context
 from loraplane.operator.crd_models import BASE_PLURAL, BaseSpec, SpecError
+from loraplane.operator.crd_objects import LoRABase
 from loraplane.operator.kube import custom_ref
 from loraplane.operator.pods import PodInfo
 from loraplane.operator.publish import publish
+from loraplane.operator.validation import ValidationFailed, check_base_policy
 
 
-async def apply_objects(ctx: Context, base: dict, spec: BaseSpec) -> list[str]:
-    """Apply the owned objects; the names of those created or updated."""
+async def apply_objects(ctx: Context, base: dict, spec: BaseSpec, image: str | None = None) -> list[str]:
+    """Apply the owned objects; the names of those created or updated. ``image``: what the policy allows."""
     changed = []
     if spec.admin_token is None and await ctx.kube.create_if_absent(B.build_admin_token_secret(base)):
         changed.append(f"Secret/{base['metadata']['name']}-admin-token")
-    for obj in (B.build_deployment(base, spec), B.build_service(base), B.build_admin_service(base)):
+    for obj in (B.build_deployment(base, spec, image), B.build_service(base), B.build_admin_service(base)):
         if await ctx.kube.apply(obj) != "unchanged":
             changed.append(f"{obj['kind']}/{obj['metadata']['name']}")
     return changed
@@ -82,15 +84,16 @@ def base_status(base: dict, spec: BaseSpec, infos: list[PodInfo], hashes: dict[s
     }
 
 
-def invalid_status(base: dict, error: SpecError) -> dict:
+def invalid_status(base: dict, reason: str, message: str) -> dict:
+    """A spec the operator will not act on (malformed, or against its policy): nothing is applied."""
     generation = base["metadata"].get("generation", 0)
     now = C.now()
     return {
         "observedGeneration": generation,
         "conditions": [
-            C.condition(C.READY, C.FALSE, "InvalidSpec", str(error), generation, now),
-            C.condition(C.PROGRESSING, C.FALSE, "InvalidSpec", str(error), generation, now),
-            C.condition(C.DEGRADED, C.TRUE, "InvalidSpec", str(error), generation, now),
+            C.condition(C.READY, C.FALSE, reason, message, generation, now),
+            C.condition(C.PROGRESSING, C.FALSE, reason, message, generation, now),
+            C.condition(C.DEGRADED, C.TRUE, reason, message, generation, now),
         ],
     }
 
@@ -105,12 +108,18 @@ async def reconcile(ctx: Context, base: dict, infos: list[PodInfo]) -> float:
             await publish(ctx, base, ref, first)
             base = {**base, "status": first}
         try:
-            spec = BaseSpec.parse(base.get("spec") or {})
+            spec = LoRABase.parse(base).spec
         except SpecError as exc:
-            await publish(ctx, base, ref, invalid_status(base, exc))
+            await publish(ctx, base, ref, invalid_status(base, "InvalidSpec", str(exc)))
             outcome["result"] = "invalid"
             return ctx.tunables.drift_interval
-        await apply_objects(ctx, base, spec)
+        try:  # the operator's rules first: a LoRABase that breaks one changes no object
+            image = await check_base_policy(ctx, meta["namespace"], base, spec)
+        except ValidationFailed as exc:
+            await publish(ctx, base, ref, invalid_status(base, exc.reason, exc.message))
+            outcome["result"] = "refused"
+            return ctx.tunables.retry_delay if exc.transient else ctx.tunables.drift_interval
+        await apply_objects(ctx, base, spec, image)
         ready = [i.address(ctx.tunables.admin_port) for i in infos if i.ready and i.ip and not i.deleting]
         hashes = await observed_hashes(ctx, base, spec, ready)
         status = base_status(base, spec, infos, hashes)

@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from dataclasses import dataclass
 
 import boto3
 from botocore.config import Config
 
 from loraplane.operator import conditions as C
 from loraplane.operator.context import Context
-from loraplane.operator.crd_models import AdapterSpec, BaseSpec
+from loraplane.operator.crd_models import DEFAULT_IMAGE, AdapterSpec, BaseSpec
+from loraplane.operator.policy import PolicyViolation, referenced_secrets
 from loraplane.server.artifacts import errors as E
 from loraplane.server.artifacts import s3 as S3
 from loraplane.server.artifacts.signing import load_trusted_keys
@@ -28,18 +30,30 @@ class ValidationFailed(Exception):
         self.reason, self.message, self.transient = reason, message, transient
 
 
-async def _secret(ctx: Context, namespace: str, name: str, what: str) -> dict[str, str]:
-    data = await ctx.kube.secret_data(namespace, name)
-    if data is None:
-        raise ValidationFailed(C.SECRET_NOT_FOUND, f"{what}: Secret {name!r} not found", transient=True)
+async def labeled_secret(ctx: Context, namespace: str, name: str, field_: str) -> dict[str, str]:
+    """A Secret a LoRABase names, used only when labeled for the operator (policy.py)."""
+    secret = await ctx.kube.secret(namespace, name)
+    if secret is None:
+        raise ValidationFailed(C.SECRET_NOT_FOUND, f"{field_}: Secret {name!r} not found", transient=True)
+    labels, data = secret
+    try:
+        ctx.policy.check_secret_labels(field_, name, labels)
+    except PolicyViolation as exc:
+        raise ValidationFailed(exc.reason, str(exc)) from None
     return data
 
 
 async def s3_client(ctx: Context, namespace: str, spec: BaseSpec):
     storage = spec.storage
+    try:  # before any Secret is read: its credentials go nowhere the operator does not allow
+        ctx.policy.check_endpoint(storage.endpoint)
+    except PolicyViolation as exc:
+        raise ValidationFailed(exc.reason, str(exc)) from None
     kwargs = {}
     if storage.credentials:
-        data = await _secret(ctx, namespace, storage.credentials, "spec.storage.credentialsSecretRef")
+        data = await labeled_secret(
+            ctx, namespace, storage.credentials, "spec.storage.credentialsSecretRef.name"
+        )
         try:
             kwargs = {
                 "aws_access_key_id": data[storage.access_key_id_key],
@@ -73,17 +87,83 @@ async def s3_client(ctx: Context, namespace: str, spec: BaseSpec):
     return ctx.s3_clients[key]
 
 
+async def check_base_policy(ctx: Context, namespace: str, base: dict, spec: BaseSpec) -> str:
+    """Every operator rule a LoRABase must keep (policy.py); the server image its pods run."""
+    policy = ctx.policy
+    try:
+        policy.check_endpoint(spec.storage.endpoint)
+        policy.check_host_path(spec.host_cache_type, spec.host_cache_path)
+        image = policy.server_image_for((base.get("spec") or {}).get("image"), DEFAULT_IMAGE)
+    except PolicyViolation as exc:
+        raise ValidationFailed(exc.reason, str(exc)) from None
+    for field_, name in referenced_secrets(spec):
+        await labeled_secret(ctx, namespace, name, field_)
+    return image
+
+
 async def trusted_keys(ctx: Context, namespace: str, spec: BaseSpec) -> dict[str, bytes]:
     if not spec.trusted_keys_secret:
         raise ValidationFailed(C.UNKNOWN_KEY, "the LoRABase trusts no key (spec.trust.publicKeysSecretRef)")
-    data = await _secret(ctx, namespace, spec.trusted_keys_secret, "spec.trust.publicKeysSecretRef")
+    data = await labeled_secret(
+        ctx, namespace, spec.trusted_keys_secret, "spec.trust.publicKeysSecretRef.name"
+    )
     try:
         return load_trusted_keys(data)
     except E.ArtifactError as exc:
         raise ValidationFailed(exc.reason, exc.message) from None
 
 
-async def validate(ctx: Context, namespace: str, base: BaseSpec, adapter: AdapterSpec) -> VerifiedManifest:
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a version lives, and the digest it must have (what validate() reads of an AdapterSpec)."""
+
+    uri: str
+    manifest_digest: str | None
+
+
+def check_identity(name: str, version: str, verified: VerifiedManifest) -> None:
+    """The signed manifest is the adapter this object names: its name and its version."""
+    manifest = verified.manifest
+    for field_, want, signed in (
+        ("metadata.name", name, manifest.name),
+        ("spec.version", version, manifest.version),
+    ):
+        if want != signed:
+            raise ValidationFailed(
+                C.IDENTITY_MISMATCH, f"{field_} is {want!r}, the signed manifest says {signed!r}"
+            )
+
+
+async def check_not_older(
+    ctx: Context, namespace: str, base: BaseSpec, spec: AdapterSpec, status: dict, verified: VerifiedManifest
+) -> None:
+    """Rollback protection: without a pinned digest, a version signed before the one it replaces is
+    refused. Anyone who can write to the bucket can copy an old signed version to a new prefix; only a
+    spec that pins the digest (``spec.source.manifestDigest``) may go back on purpose."""
+    serving, source = status.get("digest"), status.get("servingSource")
+    if spec.manifest_digest is not None or not serving or not source or serving == verified.digest:
+        return
+    try:
+        previous = await validate(ctx, namespace, base, Source(source, serving))
+    except ValidationFailed as exc:
+        raise ValidationFailed(
+            C.ROLLBACK_REFUSED,
+            f"cannot read the serving version at {source} to compare creation times ({exc.reason}); "
+            "pin spec.source.manifestDigest to replace it anyway",
+            transient=exc.transient,
+        ) from None
+    if verified.manifest.created < previous.manifest.created:
+        raise ValidationFailed(
+            C.ROLLBACK_REFUSED,
+            f"{spec.version} was signed at {verified.manifest.created}, before the serving "
+            f"{previous.manifest.version} ({previous.manifest.created}); pin spec.source.manifestDigest "
+            "to roll back on purpose",
+        )
+
+
+async def validate(
+    ctx: Context, namespace: str, base: BaseSpec, adapter: AdapterSpec | Source
+) -> VerifiedManifest:
     """The verified manifest, or ValidationFailed with a documented reason."""
     keys = await trusted_keys(ctx, namespace, base)
     fingerprint = hashlib.sha256(b"".join(sorted(keys.values()))).hexdigest()

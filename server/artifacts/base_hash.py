@@ -19,6 +19,9 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplane.server.artifacts.errors import ArtifactError
+from loraplane.server.artifacts.tensors import layout, parse_header
+
 HASH_VERSION = b"loraplane-base-hash-v1\n"
 _CHUNK = 8 << 20
 _MAX_HEADER = 100 << 20
@@ -48,11 +51,9 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
         if header_len > _MAX_HEADER:
             raise BaseHashError(f"{path.name}: header length {header_len} is absurd")
         try:
-            header = json.loads(f.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BaseHashError(f"{path.name}: unreadable safetensors header ({exc})") from exc
-    if not isinstance(header, dict):
-        raise BaseHashError(f"{path.name}: safetensors header is not an object")
+            header = parse_header(f.read(header_len), path.name)
+        except ArtifactError as exc:
+            raise BaseHashError(f"{path.name}: {exc.message}") from None
     header.pop("__metadata__", None)
     return header, 8 + header_len
 
@@ -61,8 +62,7 @@ def weight_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / name for name in weight_map.values()})
+        files = sorted({model_dir / name for name in _index_shards(index)})
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -73,18 +73,42 @@ def weight_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def _index_shards(index: Path) -> set[str]:
+    """The shard file names of a ``model.safetensors.index.json``; a malformed index says which part."""
+    try:
+        data = json.loads(index.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise BaseHashError(f"{index.name}: unreadable ({type(exc).__name__})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise BaseHashError(f"{index.name}: weight_map is missing or not a non-empty object")
+    names = set(weight_map.values())
+    for name in names:
+        if (
+            not isinstance(name, str)
+            or "/" in name
+            or name.startswith(".")
+            or not name.endswith(".safetensors")
+        ):
+            raise BaseHashError(f"{index.name}: weight_map names {name!r}, not a .safetensors file beside it")
+    return names
+
+
 def tensor_entries(model_dir: Path) -> list[TensorEntry]:
     entries: dict[str, TensorEntry] = {}
     for path in weight_files(model_dir):
         header, data_start = read_safetensors_header(path)
-        for name, info in header.items():
-            if name in entries:
+        try:  # offsets inside the file, spans matching shape x dtype: a truncated shard fails here
+            spans = layout(header, path.stat().st_size - data_start, path.name)
+        except ArtifactError as exc:
+            raise BaseHashError(f"{path.name}: {exc.message}") from None
+        for span in spans:
+            if span.name in entries:
                 raise BaseHashError(
-                    f"tensor {name!r} appears in both {entries[name].path.name} and {path.name}"
+                    f"tensor {span.name!r} appears in both {entries[span.name].path.name} and {path.name}"
                 )
-            begin, end = info["data_offsets"]
-            entries[name] = TensorEntry(
-                name, info["dtype"], tuple(info["shape"]), path, data_start + begin, end - begin
+            entries[span.name] = TensorEntry(
+                span.name, span.dtype, span.shape, path, data_start + span.begin, span.end - span.begin
             )
     return [entries[name] for name in sorted(entries)]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import re
 import shutil
 import threading
 import time
@@ -19,8 +20,9 @@ from pathlib import Path
 from loraplane.server.artifacts import errors as E
 from loraplane.server.artifacts import s3 as S3
 from loraplane.server.artifacts.fsutil import SyncedFile, flock, fsync_dir
-from loraplane.server.artifacts.manifest import FileEntry, Manifest
-from loraplane.server.artifacts.verify import sha256_file
+from loraplane.server.artifacts.manifest import WEIGHTS_FILE, FileEntry, Manifest
+from loraplane.server.artifacts.tensors import TensorScanner
+from loraplane.server.artifacts.verify import hash_file
 
 
 class BlobStore:
@@ -70,10 +72,11 @@ class BlobStore:
     def _ensure_blob(self, bucket: str, key: str, entry: FileEntry) -> Path:
         """The verified blob for ``entry``: downloaded once, however many pullers ask at the same time."""
         blob = self._blob(entry.sha256)
+        name = key.rsplit("/", 1)[-1]
         with flock(self._lock("blob", entry.sha256)):
             if blob.is_file():
                 if blob.stat().st_size == entry.size and (
-                    not self.verify_on_hit or sha256_file(blob) == entry.sha256
+                    not self.verify_on_hit or hash_file(blob, name, entry.sha256) == entry.sha256
                 ):
                     return blob
                 self._count("corrupt_evictions")
@@ -88,6 +91,8 @@ class BlobStore:
                     size=entry.size,
                     open_sink=lambda: SyncedFile(tmp),
                     retry=self.retry,
+                    # the weights' layout and values are checked in the pass that hashes them
+                    new_check=(lambda: TensorScanner(entry.size, name)) if name == WEIGHTS_FILE else None,
                 )
                 os.chmod(tmp, 0o444)
                 os.replace(tmp, blob)
@@ -156,9 +161,38 @@ class BlobStore:
     # --- housekeeping --------------------------------------------------------------------------------
 
     def _sweep_tmp(self) -> None:
-        """Leftovers of crashed pulls (older than an hour, so live writers of other processes are safe)."""
+        """Leftovers of pulls that died (kill -9, OOM kill), found at the next start of any pull.
+
+        A download's ``<sha256>.<pid>.<thread>.part`` is written under its blob lock, and a folder under
+        construction ``adapter-<digest>.<uuid>`` under its adapter lock: when that lock is free, the writer
+        is gone. Eviction trash (``evicted-*``) is never read. Anything else goes after an hour."""
         cutoff = time.time() - 3600
         for entry in os.scandir(self.root / "tmp"):
+            head = entry.name.split(".", 1)[0]
             with suppress(FileNotFoundError):
-                if entry.stat(follow_symlinks=False).st_mtime < cutoff:
-                    shutil.rmtree(entry.path) if entry.is_dir() else os.unlink(entry.path)
+                if entry.name.endswith(".part") and _HEX64.fullmatch(head):
+                    lock = self._lock("blob", head)
+                elif entry.name.startswith("adapter-") and _HEX64.fullmatch(head.removeprefix("adapter-")):
+                    lock = self._lock("adapter", head.removeprefix("adapter-"))
+                elif entry.name.startswith("evicted-") or entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    lock = None
+                else:
+                    continue
+                if lock is None:
+                    _remove(entry)
+                    continue
+                with flock(lock, blocking=False) as writer_gone:
+                    if writer_gone:
+                        _remove(entry)
+                        self._count("swept")
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def _remove(entry: os.DirEntry) -> None:
+    if entry.is_dir(follow_symlinks=False):
+        shutil.rmtree(entry.path, ignore_errors=True)
+    else:
+        with suppress(FileNotFoundError):
+            os.unlink(entry.path)

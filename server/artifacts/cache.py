@@ -47,7 +47,7 @@ from loraplane.server.artifacts.verify import (
     Policy,
     VerifiedManifest,
     fetch_verified_manifest,
-    sha256_file,
+    hash_file,
     verify_manifest_bytes,
 )
 
@@ -121,6 +121,7 @@ class HostCache(BlobStore):
         ``acquire=True`` marks the result in use before returning; call ``release(digest)`` when done.
         """
         policy = Policy(expected_base_hash, pinned_digest, max_rank, allowed_modules, self.max_file_bytes)
+        self._sweep_tmp()  # what pulls killed earlier (kill -9) left behind, outside the byte budget
         if policy.pinned_digest is not None:
             local = self._open_local(
                 policy.pinned_digest.removeprefix("sha256:"), trusted_keys, policy, acquire
@@ -192,7 +193,7 @@ class HostCache(BlobStore):
                 raise E.ArtifactError(E.MISSING_FILE, "missing from the cached folder", name)
             if path.stat().st_size != entry.size:
                 raise E.ArtifactError(E.FILE_SIZE_MISMATCH, "cached size differs", name)
-            if rehash and sha256_file(path) != entry.sha256:
+            if rehash and hash_file(path, name, entry.sha256) != entry.sha256:
                 raise E.ArtifactError(E.FILE_HASH_MISMATCH, "cached content differs", name)
 
     def _assemble(

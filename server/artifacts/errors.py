@@ -16,6 +16,8 @@ BAD_KEY = "BadKey"  # a trusted or private key could not be parsed
 # --- identity --------------------------------------------------------------------------------------
 DIGEST_MISMATCH = "DigestMismatch"  # the manifest digest differs from the pinned one
 BASE_MISMATCH = "BaseMismatch"  # trained for another base model (base hash differs)
+IDENTITY_MISMATCH = "IdentityMismatch"  # the signed name or version differs from the one asked for
+ROLLBACK_REFUSED = "RollbackRefused"  # signed before the version it would replace, and not pinned by digest
 # --- files -----------------------------------------------------------------------------------------
 FILE_HASH_MISMATCH = "FileHashMismatch"  # a file's sha256 differs from the manifest
 FILE_SIZE_MISMATCH = "FileSizeMismatch"  # a file's size differs from the manifest
@@ -28,7 +30,12 @@ FILE_TOO_LARGE = "FileTooLarge"  # above the configured size limit
 RANK_TOO_HIGH = "RankTooHigh"  # a LoRA rank above the limit
 UNKNOWN_MODULE = "UnknownModule"  # a target module the engine does not serve
 SHAPE_MISMATCH = "ShapeMismatch"  # lora_A/lora_B shapes do not fit the base model
-BAD_MANIFEST = "BadManifest"  # malformed manifest, adapter_config.json or safetensors header
+RANK_MISMATCH = "RankMismatch"  # adapter_config.json's r or rank_pattern differs from the weights' ranks
+BAD_MANIFEST = "BadManifest"  # malformed manifest or adapter_config.json
+BAD_TENSOR_LAYOUT = (
+    "BadTensorLayout"  # safetensors header, dtypes, shapes or data_offsets do not fit the file
+)
+NON_FINITE_WEIGHTS = "NonFiniteWeights"  # a NaN or Inf in the weights
 # --- source ----------------------------------------------------------------------------------------
 BAD_URI = "BadUri"  # not a well-formed s3://bucket/prefix/ URI
 SOURCE_UNREACHABLE = "SourceUnreachable"  # S3 kept failing (5xx, throttling, timeouts, truncation)
@@ -46,6 +53,11 @@ REASONS = frozenset(
         BAD_KEY,
         DIGEST_MISMATCH,
         BASE_MISMATCH,
+        IDENTITY_MISMATCH,
+        ROLLBACK_REFUSED,
+        RANK_MISMATCH,
+        BAD_TENSOR_LAYOUT,
+        NON_FINITE_WEIGHTS,
         FILE_HASH_MISMATCH,
         FILE_SIZE_MISMATCH,
         MISSING_FILE,

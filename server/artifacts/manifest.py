@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -81,6 +82,10 @@ class Manifest:
     created: str  # UTC, 2026-11-30T06:40:00Z
     producer: str  # who wrote it, e.g. "loraplane 0.1.0"
     use_rslora: bool = False
+    alphas: MappingProxyType | None = (
+        None  # module -> lora_alpha PEFT uses for it (alpha_pattern); None: alpha
+    )
+    scales: MappingProxyType | None = None  # module -> the scale PEFT uses: alphas/r, or alphas/sqrt(r)
     schema: str = field(default=SCHEMA)
 
     def __post_init__(self):
@@ -111,6 +116,31 @@ class Manifest:
             raise bad("producer", "must be a non-empty string of at most 200 characters")
         if not isinstance(self.use_rslora, bool):
             raise bad("use_rslora", f"{self.use_rslora!r} is not a boolean")
+        self._check_scaling(bad)
+
+    def _check_scaling(self, bad) -> None:
+        """Per-module alpha and scale; the scale must be what PEFT computes from rank and alpha."""
+        alphas = {m: self.alpha for m in self.ranks} if self.alphas is None else self.alphas
+        if not isinstance(alphas, dict | MappingProxyType) or set(alphas) != set(self.ranks):
+            raise bad("alphas", "must give each module of ranks its lora_alpha")
+        for module, alpha in alphas.items():
+            if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+                raise bad(f"alphas.{module}", f"{alpha!r} is not a positive number")
+        want = {
+            m: float(a) / (math.sqrt(self.ranks[m]) if self.use_rslora else self.ranks[m])
+            for m, a in alphas.items()
+        }
+        scales = want if self.scales is None else self.scales
+        if not isinstance(scales, dict | MappingProxyType) or set(scales) != set(self.ranks):
+            raise bad("scales", "must give each module of ranks its scale")
+        for module, scale in scales.items():
+            ok = not isinstance(scale, bool) and isinstance(scale, int | float)
+            if not ok or not math.isclose(scale, want[module], rel_tol=1e-9):
+                raise bad(
+                    f"scales.{module}", f"{scale!r} is not alphas/{'sqrt(r)' if self.use_rslora else 'r'}"
+                )
+        object.__setattr__(self, "alphas", MappingProxyType({m: _number(alphas[m]) for m in sorted(alphas)}))
+        object.__setattr__(self, "scales", MappingProxyType({m: _number(scales[m]) for m in sorted(scales)}))
 
     def _check_modules_and_ranks(self, bad) -> None:
         if not isinstance(self.ranks, dict | MappingProxyType) or not self.ranks:
@@ -174,6 +204,8 @@ class Manifest:
             "ranks": dict(self.ranks),
             "alpha": alpha,
             "use_rslora": self.use_rslora,
+            "alphas": dict(self.alphas),
+            "scales": dict(self.scales),
             "target_modules": list(self.target_modules),
             "dtype": self.dtype,
             "files": {name: {"sha256": e.sha256, "size": e.size} for name, e in self.files.items()},
@@ -195,7 +227,9 @@ class Manifest:
         unknown = sorted(set(data) - names)
         if unknown:
             raise E.ArtifactError(E.BAD_MANIFEST, f"unknown field(s) {unknown}", f"manifest.{unknown[0]}")
-        missing = sorted(n for n in names - set(data) if n not in ("use_rslora", "schema"))
+        missing = sorted(
+            n for n in names - set(data) if n not in ("use_rslora", "schema", "alphas", "scales")
+        )
         if missing:
             raise E.ArtifactError(E.BAD_MANIFEST, "required field is missing", f"manifest.{missing[0]}")
         return cls(**data)
@@ -207,12 +241,19 @@ class Manifest:
             parsed = json.loads(data.decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise E.ArtifactError(E.BAD_MANIFEST, f"not UTF-8 JSON ({exc})", "manifest") from None
+        except RecursionError:
+            raise E.ArtifactError(E.BAD_MANIFEST, "JSON nested too deeply", "manifest") from None
         manifest = cls.from_dict(parsed)
         if manifest.canonical_bytes() != data:
             raise E.ArtifactError(
                 E.BAD_MANIFEST, "bytes are not canonical (sorted keys, compact separators, UTF-8)", "manifest"
             )
         return manifest
+
+
+def _number(value: float) -> int | float:
+    """16, not 16.0: an integral number is written as an integer, so the bytes round-trip."""
+    return int(value) if float(value).is_integer() else float(value)
 
 
 def canonical_json(obj: Any) -> bytes:

@@ -35,6 +35,7 @@ from loraplane.server.artifacts.peft import (
     check_against_base,
     check_rank,
     inspect_weights,
+    module_scaling,
     read_adapter_config,
 )
 from loraplane.server.artifacts.signing import parse_signature, sign_bytes
@@ -43,7 +44,7 @@ from loraplane.server.artifacts.verify import (
     VerifiedManifest,
     check_listing,
     folder_listing,
-    sha256_file,
+    hash_file,
     verify_folder,
 )
 
@@ -93,6 +94,7 @@ def pack_folder(
     config = read_adapter_config(folder / CONFIG_FILE)
     weights = inspect_weights(folder / WEIGHTS_FILE)
     check_rank(weights.ranks, max_rank, WEIGHTS_FILE)
+    scaling = module_scaling(config, weights)  # the config's r and patterns must fit the weights
     if base_dir is not None:
         base_config_path = Path(base_dir) / "config.json"
         try:
@@ -101,13 +103,15 @@ def pack_folder(
         except (OSError, json.JSONDecodeError, BaseHashError) as exc:
             raise E.ArtifactError(E.BAD_MANIFEST, f"unusable base folder ({exc})", "base") from None
         check_against_base(folder / WEIGHTS_FILE, base_config)
-    files = {n: FileEntry(sha256_file(folder / n), (folder / n).stat().st_size) for n in names}
+    files = {n: FileEntry(hash_file(folder / n, n), (folder / n).stat().st_size) for n in names}
     manifest = Manifest(
         name=name,
         version=version,
         base_model_hash=normalize_base_hash(base_hash, "base_hash"),
         ranks=weights.ranks,
         alpha=config.alpha,
+        alphas=scaling.alphas,
+        scales=scaling.scales,
         target_modules=tuple(weights.ranks),
         dtype=weights.dtype,
         files=files,
@@ -130,7 +134,7 @@ def _check_packed(folder: Path) -> tuple[bytes, Manifest]:
     listing = {k: v for k, v in folder_listing(folder).items() if k != SIGNATURE_FILE}
     check_listing(manifest, listing, "")
     for fname, entry in manifest.files.items():
-        if sha256_file(folder / fname) != entry.sha256:
+        if hash_file(folder / fname, fname, entry.sha256) != entry.sha256:
             raise E.ArtifactError(E.FILE_HASH_MISMATCH, "changed since pack; pack again", fname)
     return manifest_bytes, manifest
 

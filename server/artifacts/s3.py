@@ -202,8 +202,12 @@ def stream_verified(
     open_sink: Callable[[], BinaryIO],
     retry: RetryPolicy,
     on_bytes: Callable[[int], None] | None = None,
+    new_check: Callable[[], object] | None = None,
 ) -> None:
     """Stream an object into a fresh sink per attempt, hashing as it goes.
+
+    ``new_check`` makes a content check per attempt (``update(chunk)``, ``finish()`` raising an
+    ArtifactError, e.g. tensors.TensorScanner); it judges only a body whose sha256 matched.
 
     Short or broken bodies are retried; more bytes than ``size`` or a wrong sha256 of a complete body are
     final (FileSizeMismatch / FileHashMismatch): the object is not the one the manifest signed.
@@ -212,6 +216,7 @@ def stream_verified(
 
     def once() -> None:
         digest, got = hashlib.sha256(), 0
+        check = new_check() if new_check else None
         response = client.get_object(Bucket=bucket, Key=key)
         body = response["Body"]
         with open_sink() as sink:
@@ -223,6 +228,8 @@ def stream_verified(
                             E.FILE_SIZE_MISMATCH, f"object is larger than {size} bytes", name
                         )
                     digest.update(chunk)
+                    if check is not None:
+                        check.update(chunk)
                     sink.write(chunk)
                     if on_bytes:
                         on_bytes(len(chunk))
@@ -234,5 +241,7 @@ def stream_verified(
                 raise E.ArtifactError(
                     E.FILE_HASH_MISMATCH, f"sha256 {digest.hexdigest()} != manifest {sha256}", name
                 )
+            if check is not None:
+                check.finish()
 
     with_retries(once, what=f"s3://{bucket}/{key}", retry=retry)

@@ -109,7 +109,7 @@ def parse_signature(sig_bytes: bytes) -> dict:
         raise E.ArtifactError(E.BAD_SIGNATURE, f"{len(sig_bytes)} bytes is too large for a signature", field_)
     try:
         sig = json.loads(sig_bytes.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise E.ArtifactError(E.BAD_SIGNATURE, "not a JSON signature file", field_) from None
     if not isinstance(sig, dict) or set(sig) != {"alg", "key_id", "manifest_digest", "signature"}:
         raise E.ArtifactError(

@@ -20,6 +20,7 @@ from loraplane.server.artifacts.manifest import (
     OPTIONAL_FILES,
     REQUIRED_FILES,
     SIGNATURE_FILE,
+    WEIGHTS_FILE,
     Manifest,
     check_file_name,
     digest_of,
@@ -28,6 +29,7 @@ from loraplane.server.artifacts.manifest import (
 )
 from loraplane.server.artifacts.peft import check_rank
 from loraplane.server.artifacts.signing import verify_signature
+from loraplane.server.artifacts.tensors import hash_and_check
 
 DEFAULT_MAX_FILE_BYTES = 4 << 30  # 4 GiB: far above any LoRA of a served base
 MAX_MANIFEST_BYTES = 1 << 20
@@ -171,6 +173,13 @@ def fetch_verified_manifest(
     return verified
 
 
+def hash_file(path: Path, name: str, expected: str | None = None) -> str:
+    """sha256 of an artifact file; the weights are checked (layout, finite values) in the same read."""
+    if name == WEIGHTS_FILE:
+        return hash_and_check(path, name, expected)
+    return sha256_file(path)
+
+
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -196,6 +205,6 @@ def verify_folder(folder: Path, *, trusted_keys: Mapping[str, bytes], policy: Po
     )
     check_listing(verified.manifest, folder_listing(folder), "")
     for name, entry in verified.manifest.files.items():
-        if sha256_file(folder / name) != entry.sha256:
+        if hash_file(folder / name, name, entry.sha256) != entry.sha256:
             raise E.ArtifactError(E.FILE_HASH_MISMATCH, "sha256 differs from the manifest", name)
     return verified

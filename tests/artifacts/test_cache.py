@@ -189,3 +189,39 @@ def test_damaged_cached_signature_is_refetched(tmp_path, client, proxy, adapters
     assert (again.path / "loraplane-manifest.sig").is_file()
     assert cache.stats()["corrupt_evictions"] == 1
     assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
+
+
+def test_a_pull_killed_with_kill_9_is_cleaned_up_at_the_next_pull(
+    tmp_path, client, proxy, adapters, keys, base_hash
+):
+    """The killed pull's .part and build folder go when any pull starts, not an hour later."""
+    import signal
+    import time
+
+    from s3_servers import Fault
+
+    root = tmp_path / "cache"
+    cache = HostCache(
+        root, 1 << 30, client
+    )  # made before the crash: its start-up sweep cannot be what cleans
+    proxy.add(Fault("stall", path="v3" + W, hang_s=60))  # half of the weights, then silence
+    child = multiprocessing.get_context("fork").Process(
+        target=_pull_in_process, args=((str(root), proxy.url, adapters["v3"][0], keys.trusted, base_hash),)
+    )
+    child.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not list((root / "tmp").glob("*.part")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = sorted(p.name for p in (root / "tmp").iterdir())
+        assert any(n.endswith(".part") for n in left) and any(n.startswith("adapter-") for n in left), left
+    finally:
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(10)
+    assert sorted(p.name for p in (root / "tmp").iterdir()) == left, "nothing cleans up before the next pull"
+    proxy.reset()
+    _pull(cache, adapters["v1"][0], keys, base_hash)  # another adapter's pull starts: the sweep runs
+    assert list((root / "tmp").iterdir()) == []
+    assert cache.counters["swept"] == 2
+    _pull(cache, adapters["v3"][0], keys, base_hash)  # and the killed pull's adapter now pulls cleanly
+    assert_cache_holds_only_verified(root, keys.trusted)

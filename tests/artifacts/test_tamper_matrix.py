@@ -44,6 +44,7 @@ def _lie_about_modules(ctx):
     def edit(m):
         m["ranks"] = {"q_proj": 4}
         m["target_modules"] = ["q_proj"]
+        m["alphas"], m["scales"] = {"q_proj": m["alphas"]["q_proj"]}, {"q_proj": m["scales"]["q_proj"]}
 
     _edit_manifest(ctx, edit, resign_with=ctx.keys.private_pem)
 

@@ -21,13 +21,8 @@ NOT_GRANTED = {
     ),
 }
 Grant = tuple[str, str, frozenset[str]]  # (apiGroup, resource, verbs)
-# Rules the chart adds beyond the doc's table, and why (ask the operator doc to list them too).
-EXTRA_GRANTED: dict[Grant, str] = {
-    ("loraplane.dev", "lorabases/finalizers", frozenset({"update"})): (
-        "the operator's objects carry ownerReferences with blockOwnerDeletion: true (builders.py); the "
-        "OwnerReferencesPermissionEnforcement admission plugin requires update on the owner's finalizers"
-    ),
-}
+# Rules the chart adds beyond the doc's table, and why (none: the doc lists every rule the chart grants).
+EXTRA_GRANTED: dict[Grant, str] = {}
 
 
 def doc_rows() -> list[tuple[Grant, bool]]:

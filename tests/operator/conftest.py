@@ -42,6 +42,7 @@ def _build(tmp: pathlib.Path, s3) -> Artifacts:
     add("v1", "chat", "v1")
     v2 = add("v2", "chat", "v2")
     add("v3", "chat", "v3")
+    add("support_bot", "support-bot", "v1")  # examples/loraadapter.yaml's name: identity is signed
     add("unknown_key", "stranger", "v1", signer=strangers)
     add("base_mismatch", "other-base", "v1", base=OTHER_BASE)
     add("rank_too_high", "big", "v1", rank=32)
@@ -52,6 +53,9 @@ def _build(tmp: pathlib.Path, s3) -> Artifacts:
     bucket, prefix = uris["bad_signature"].removeprefix("s3://").split("/", 1)
     other_sig = (v2.folder / "loraplane-manifest.sig").read_bytes()  # a valid signature, of other bytes
     client.put_object(Bucket=bucket, Key=prefix + "loraplane-manifest.sig", Body=other_sig)
+    add("nested_signature", "nested", "v1")  # a signature file of 4000 '[': a reason, never a crash
+    bucket, prefix = uris["nested_signature"].removeprefix("s3://").split("/", 1)
+    client.put_object(Bucket=bucket, Key=prefix + "loraplane-manifest.sig", Body=b"[" * 4000)
     return Artifacts(s3, keys, uris, digests)
 
 

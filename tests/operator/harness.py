@@ -22,11 +22,15 @@ from loraplane.operator import builders as B
 from loraplane.operator import handlers
 from loraplane.operator.context import Context, Tunables
 from loraplane.operator.kube import Kube
+from loraplane.operator.policy import SECRET_LABEL, OperatorPolicy
 from tests.controlplane.kubelet import MERGE_PATCH, Kubelet
 from tests.operator.fake_admin import FakePod
 
 API = "loraplane.dev/v1alpha1"
 TOKEN = "test-admin-token"
+# The S3 endpoints the test Worlds use (their moto server, and a port where nothing listens): the
+# operator's default policy in these tests allows exactly these.
+TEST_ENDPOINTS: set[str] = {"http://127.0.0.1:9"}
 
 
 def fast_tunables(**overrides) -> Tunables:
@@ -39,10 +43,10 @@ def fast_tunables(**overrides) -> Tunables:
 class OperatorThread:
     """The operator, in a thread, authenticated as the chart's ServiceAccount of ``world``'s namespace."""
 
-    def __init__(self, world: World, tunables: Tunables | None = None):
-        self.ctx = Context(
-            Kube(world.plane.api_client(token=world.operator_token())), tunables or fast_tunables()
-        )
+    def __init__(self, world: World, tunables: Tunables | None = None, policy: OperatorPolicy | None = None):
+        policy = policy or OperatorPolicy(allowed_s3_endpoints=tuple(sorted(TEST_ENDPOINTS)))
+        kube = Kube(world.plane.api_client(token=world.operator_token()))
+        self.ctx = Context(kube, tunables or fast_tunables(), policy=policy)
         self.namespace = world.ns
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
         self.failure: BaseException | None = None
@@ -151,6 +155,7 @@ class World:
         self.plane, self.ns, self.s3, self.keys, self.base_hash = plane, namespace, s3, keys, base_hash
         self.max_rank = max_rank
         self.pods: dict[str, FakePod] = {}  # pod name -> fake server
+        TEST_ENDPOINTS.add(s3.url)
         rbac = render_operator_rbac(namespace)
         for doc in rbac:
             plane.create(doc)
@@ -177,10 +182,11 @@ class World:
         self.pods[container.name] = container.fake
         return container
 
-    def secret(self, name: str, data: dict[str, str]) -> None:
+    def secret(self, name: str, data: dict[str, str], labeled: bool = True) -> None:
+        """A Secret; ``labeled``: carries the label that lets the operator use it."""
         encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
-        self.plane.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": self.ns},
-                           "data": encoded})  # fmt: skip
+        metadata = {"name": name, "namespace": self.ns, "labels": {SECRET_LABEL: "true"} if labeled else {}}
+        self.plane.create({"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "data": encoded})
 
     def base_manifest(self, name: str = "demo", replicas: int = 2, endpoint: str | None = None) -> dict:
         return {

@@ -24,10 +24,16 @@ def test_run_needs_a_scope():
         cli._parser().parse_args(["run", "-n", "a", "--all-namespaces"])
 
 
-def test_console_script_dispatches_here():
-    from loraplane.cli import SUBCOMMANDS
+def test_console_script_dispatches_here(tmp_path, capsys):
+    """``loraplane operator ...`` reaches this CLI: its exit codes and messages come back through."""
+    from loraplane.cli import main
 
-    assert SUBCOMMANDS["operator"][0] == "loraplane.operator.cli"
+    assert main(["operator", "crds", "--check", str(ROOT / "crds")]) == 0
+    (tmp_path / "lorabase.yaml").write_text("stale: true\n")
+    assert main(["operator", "crds", "--check", str(tmp_path)]) != 0
+    with pytest.raises(SystemExit) as exit_:
+        main(["operator", "run"])  # the operator's own parser: a scope is required
+    assert exit_.value.code == 2 and "--namespace" in capsys.readouterr().err
 
 
 def test_operator_run_process_serves_liveness_and_metrics(control_plane, namespace):

@@ -39,7 +39,7 @@ def test_kubectl_get_shows_the_reconciled_adapter(world, artifacts):
         {k: ours["spec"][k] for k in ("model", "storage", "trust", "adminTokenSecretRef", "engine")}
     )
     base["spec"].pop("auth")
-    adapter["spec"]["source"]["uri"] = artifacts.uris["v1"]
+    adapter["spec"]["source"]["uri"] = artifacts.uris["support_bot"]
     adapter["spec"]["version"] = "v1"
     manifests = world.plane.workdir / "apply.yaml"
     manifests.write_text(yaml.safe_dump_all([base, adapter]))

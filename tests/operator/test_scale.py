@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 
+import pytest
+
+from loraplane.server.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, Manifest
+from loraplane.server.artifacts.signing import sign_manifest
+from tests.operator.conftest import BUCKET
 from tests.operator.harness import OperatorThread, condition, fast_tunables, wait_for
 
 N = int(__import__("os").environ.get("LORAPLANE_TEST_ADAPTERS", "200"))
@@ -21,7 +27,28 @@ def adapter_calls(world) -> collections.Counter:
     return counts
 
 
-def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
+@pytest.fixture(scope="module")
+def uris(artifacts) -> list[str]:
+    """N signed adapters named a000..: v1's files under a manifest of each name (identity is signed)."""
+    client = artifacts.s3.client()
+    bucket, prefix = artifacts.uris["v1"].removeprefix("s3://").split("/", 1)
+    v1 = Manifest.from_json(client.get_object(Bucket=bucket, Key=prefix + MANIFEST_FILE)["Body"].read())
+    files = {n: client.get_object(Bucket=bucket, Key=prefix + n)["Body"].read() for n in v1.files}
+    out = []
+    for i in range(N):
+        manifest = dataclasses.replace(v1, name=f"a{i:03d}")
+        key = f"scale/a{i:03d}/v1/"
+        for name, data in files.items():
+            client.put_object(Bucket=BUCKET, Key=key + name, Body=data)
+        client.put_object(Bucket=BUCKET, Key=key + MANIFEST_FILE, Body=manifest.canonical_bytes())
+        client.put_object(
+            Bucket=BUCKET, Key=key + SIGNATURE_FILE, Body=sign_manifest(manifest, artifacts.keys.private_pem)
+        )
+        out.append(f"s3://{BUCKET}/{key}")
+    return out
+
+
+def test_200_adapters_converge_without_a_hot_loop(world, uris):
     world.create_base(replicas=1)
     # Generous timeouts: 200 adapters share one fake pod (a Python thread per request) on a busy machine.
     tunables = fast_tunables(drift_interval=3.0, admin_connect_timeout=5.0, admin_read_timeout=10.0)
@@ -29,7 +56,7 @@ def test_200_adapters_converge_without_a_hot_loop(world, artifacts):
         pod = world.add_pod()
         started = time.monotonic()
         for i in range(N):
-            world.create_adapter(f"a{i:03d}", artifacts.uris["v1"], "v1")
+            world.create_adapter(f"a{i:03d}", uris[i], "v1")
         names = [f"a{i:03d}" for i in range(N)]
 
         def all_ready():

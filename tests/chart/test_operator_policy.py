@@ -1,0 +1,50 @@
+"""The chart's `operator.policy` values become exactly the operator's policy: render the Deployment, parse its
+args with the operator's own command line, and compare the policy it builds with the values."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from loraplane.operator.cli import _parser, policy_of
+from loraplane.operator.policy import OperatorPolicy
+from tests.chart.chart import CHART, template
+
+
+def _policy(rendered) -> OperatorPolicy:
+    args = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["operator", "run"]
+    return policy_of(_parser().parse_args(args[1:]))
+
+
+def test_default_values_allow_aws_and_the_project_registry_only(helm_bins):
+    policy = _policy(template(helm_bins["helm4"]))
+    assert policy == OperatorPolicy()
+    assert (
+        policy.allowed_s3_endpoints == () and policy.host_path_prefix is None and policy.server_image is None
+    )
+
+
+def test_ci_values_reach_the_operator(helm_bins):
+    values = yaml.safe_load((CHART / "ci" / "ci-values.yaml").read_text())
+    rendered = template(helm_bins["helm4"], CHART / "ci" / "ci-values.yaml")
+    policy = _policy(rendered)
+    want = values["operator"]["policy"]
+    assert policy.allowed_s3_endpoints == tuple(want["allowedS3Endpoints"])
+    assert policy.host_path_prefix == want["hostPathPrefix"]
+    assert policy.allowed_registries == tuple(want["allowedRegistries"])
+    server = values["serverImage"]
+    assert policy.server_image == f"{server['repository']}:{server['tag']}"  # pinServerImage: true
+    example = rendered.one("LoRABase")
+    assert policy.server_image_for(example["spec"]["image"], "") == policy.server_image
+    policy.check_endpoint(example["spec"]["storage"]["endpoint"])  # the example base keeps the rules
+
+
+@pytest.mark.parametrize("prefix", ["/", "/var/../etc", "relative/path", "/var/cache/"])
+def test_schema_refuses_a_host_path_prefix_the_operator_would(helm_bins, prefix):
+    result = template(
+        helm_bins["helm4"], overrides={"operator": {"policy": {"hostPathPrefix": prefix}}}, check=False
+    )
+    assert result.returncode != 0 and "hostPathPrefix" in result.stderr
+    with pytest.raises(ValueError, match="host-path-prefix"):
+        OperatorPolicy(host_path_prefix=prefix)
