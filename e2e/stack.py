@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +44,24 @@ def wait_for(check, timeout: float, what: str, interval: float = 0.5):
 
 def condition(obj: dict, type_: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or () if c["type"] == type_), {})
+
+
+POD_START = 240.0  # two torch processes starting on a busy 2-core machine
+
+
+def ensure_base(stack, replicas: int = 2) -> list[dict]:
+    """The LoRABase `demo` applied (idempotent), and its Pods Ready."""
+    stack.apply(stack.base_manifest(replicas=replicas))
+    return wait_for(lambda: len(stack.ready_pods()) == replicas and stack.ready_pods(), POD_START,
+                    f"{replicas} server Pods Ready\n{stack.logs()}")  # fmt: skip
+
+
+def admin_list(pod: dict) -> dict:
+    """GET /admin/adapters on a Pod, as the operator calls it (its IP, the admin port, the admin token)."""
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8001/admin/adapters")
+    request.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return json.load(answer)
 
 
 @dataclass

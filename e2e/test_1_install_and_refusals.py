@@ -6,32 +6,13 @@ needs). Server Pods are `loraplane serve` processes on CPU with the tiny model, 
 
 from __future__ import annotations
 
-import json
 import subprocess
-import urllib.request
 
 import yaml
 
-from e2e.stack import ADMIN_TOKEN, API, RELEASE, condition, wait_for
+from e2e.stack import API, RELEASE, admin_list, condition, ensure_base, wait_for
 from tests.chart.chart import CHART, ensure_tools
 from tests.controlplane.fixtures import create_namespace
-
-POD_START = 240.0  # two torch processes starting on a busy 2-core machine
-
-
-def ensure_base(stack, replicas: int = 2) -> list[dict]:
-    """The LoRABase `demo` applied (idempotent), and its Pods Ready."""
-    stack.apply(stack.base_manifest(replicas=replicas))
-    return wait_for(lambda: len(stack.ready_pods()) == replicas and stack.ready_pods(), POD_START,
-                    f"{replicas} server Pods Ready\n{stack.logs()}")  # fmt: skip
-
-
-def admin_list(pod: dict) -> dict:
-    """GET /admin/adapters on a Pod, as the operator calls it (its IP, the admin port, the admin token)."""
-    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8001/admin/adapters")
-    request.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
-    with urllib.request.urlopen(request, timeout=10) as answer:
-        return json.load(answer)
 
 
 def test_scenario_1_helm_install_then_a_lorabase_with_two_ready_pods(stack):
@@ -109,7 +90,7 @@ def test_scenario_9_the_operator_cannot_read_secrets_it_was_not_pointed_at(stack
     for what, path in refused.items():
         assert plane.request("GET", path, token=token)[0] == 403, f"the operator may {what}"
     plane.request("DELETE", f"/api/v1/namespaces/{elsewhere}")
-    named = {"s3", "signers", "admin-token"}  # what the LoRABase points at
+    named = {"s3", "signers", "admin-token", "api-keys"}  # what the LoRABase points at
     assert {name for _, name in touched} <= named | {None}, touched
     assert ("get", "unrelated") not in touched and all(verb in {"get", "create"} for verb, _ in touched), (
         touched

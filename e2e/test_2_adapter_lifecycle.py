@@ -15,8 +15,7 @@ import urllib.request
 import pytest
 import yaml
 
-from e2e.stack import ADMIN_TOKEN, condition, wait_for
-from e2e.test_scenarios import POD_START, ensure_base
+from e2e.stack import ADMIN_TOKEN, POD_START, condition, ensure_base, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 MAX_TOKENS = 6
