@@ -6,9 +6,10 @@ metadata in fixed device buffers) and ``lora_apply`` (y += scale * x @ A^T @ B^T
 
 from .metadata import LoRABatchMeta
 from .ops import lora_apply, lora_expand, lora_shrink
-from .pool import LoRAPool, ModuleSpec, PoolFullError, lora_scale
+from .pool import RANK_LIMIT, LoRAPool, ModuleSpec, PoolFullError, lora_scale, rank_error
 
 __all__ = [
+    "RANK_LIMIT",
     "LoRABatchMeta",
     "LoRAPool",
     "ModuleSpec",
@@ -17,4 +18,5 @@ __all__ = [
     "lora_expand",
     "lora_scale",
     "lora_shrink",
+    "rank_error",
 ]

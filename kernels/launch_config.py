@@ -20,8 +20,8 @@ class LaunchConfig:
     """Tile sizes and grid bounds; ``pick_config`` derives one per (meta, module, call).
 
     ``block_r``: rank rows per chunk in expand (ranks above it loop, re-touching y); ``shrink_block_r``:
-    the same in shrink (all slices side by side). ``n_chunk``: columns one expand program covers; it must
-    divide every slice width. ``fused``: expand computes v itself (no shrink launch; A is re-read once per
+    the same in shrink (all slices side by side). ``n_chunk``: columns of one slice that one expand
+    program covers (a slice whose width it does not divide gets a shorter, masked last chunk). ``fused``: expand computes v itself (no shrink launch; A is re-read once per
     column chunk, so only for tiny batches).
     """
 
@@ -89,15 +89,31 @@ def pick_config(
     gcd = 0
     for w in out_dims:
         gcd = w if gcd == 0 else _gcd(gcd, w)
-    block_n = min(128 if prefill else 64, gcd & -gcd)
-    # Column chunks: ~2 programs per SM, chunk a power-of-two multiple of block_n dividing every slice,
-    # at most 2048 columns (v is reused over up to 32 column tiles).
-    n_chunk = block_n
     total = sum(out_dims)
-    while (
-        n_chunk * 2 <= 2048 and gcd % (n_chunk * 2) == 0 and tiles_bound * (total // (n_chunk * 2)) >= 2 * sms
-    ):
-        n_chunk *= 2
+    cap_n = 128 if prefill else 64
+    if gcd & -gcd >= 16:
+        # Every width a multiple of 16: column tiles and chunks divide every slice (no masks).
+        block_n = min(cap_n, gcd & -gcd)
+        # Column chunks: ~2 programs per SM, chunk a power-of-two multiple of block_n dividing every slice,
+        # at most 2048 columns (v is reused over up to 32 column tiles).
+        n_chunk = block_n
+        while (
+            n_chunk * 2 <= 2048
+            and gcd % (n_chunk * 2) == 0
+            and tiles_bound * (total // (n_chunk * 2)) >= 2 * sms
+        ):
+            n_chunk *= 2
+    else:
+        # Ragged widths (e.g. 107, 2049 from tensor-parallel shards): the last column tile of a slice is
+        # masked, and chunks stop at the slice's end; same ~2 programs per SM rule.
+        widest = pow2_at_least(max(out_dims), 16)
+        block_n = min(cap_n, widest)
+        n_chunk = block_n
+        while (
+            n_chunk * 2 <= min(2048, widest)
+            and tiles_bound * sum(-(-w // (n_chunk * 2)) for w in out_dims) >= 2 * sms
+        ):
+            n_chunk *= 2
     return LaunchConfig(
         block_r=block_r, shrink_block_r=shrink_block_r, block_k=block_k, block_n=block_n, n_chunk=n_chunk,
         split_k=split, fused=False, num_stages=3,

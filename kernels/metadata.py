@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from .pool import resolve_device
+from .pool import check_max_rank, rank_error, resolve_device
 
 __all__ = ["LoRABatchMeta"]
 
@@ -68,8 +68,7 @@ class LoRABatchMeta:
             raise ValueError(f"capacity must be a positive int, got {capacity!r}")
         if tile_m not in (16, 32, 64, 128):
             raise ValueError(f"tile_m must be one of 16, 32, 64, 128, got {tile_m!r}")
-        if not isinstance(max_rank, int) or max_rank <= 0:
-            raise ValueError(f"max_rank must be a positive int, got {max_rank!r}")
+        check_max_rank("max_rank", max_rank)
         self.capacity, self.tile_m, self.capture, self.max_rank = capacity, tile_m, capture, max_rank
         self.device = resolve_device(device)
         n = self._buf_len()
@@ -122,9 +121,7 @@ class LoRABatchMeta:
         self.num_tokens, self.host_num_tiles = total, len(tiles)
         self.host_max_rank = max((int(ranks[g[0]]) for g in self.groups), default=0)
         if self.capture and self.host_max_rank > self.max_rank:
-            raise ValueError(
-                f"a batch adapter has rank {self.host_max_rank}, over these buffers' max_rank {self.max_rank}"
-            )
+            raise ValueError(rank_error("requests (captured batch)", self.host_max_rank, self.max_rank))
         self._upload(token_slot, order, np.asarray(tiles, dtype=np.int32).reshape(-1, 3))
         return self
 

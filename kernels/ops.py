@@ -37,9 +37,10 @@ def lora_shrink(
 def lora_expand(
     y: torch.Tensor, v: torch.Tensor, pool: LoRAPool, layer: int, module: str, meta, *, backend="auto"
 ):
-    """Semantics: y[t, c] += scale(a(t)) * v[s(c), t, :r] @ B_{a(t), s(c)}^T[:, c]. In place; returns y.
+    """Semantics: y[t, c] += scale(a(t)) * v[s(c), t, :r] @ B_{a(t), s(c)}^T[:, c] for the columns c of
+    each slice s (``ModuleSpec.slice_starts``); other columns untouched. In place; returns y.
 
-    y: [T, sum(out_dims)]; v from ``lora_shrink`` with the same backend.
+    y: [T, spec.y_width]; v from ``lora_shrink`` with the same backend.
     """
     spec = pool.modules[module]
     bt = pool.bt[(layer, module)]
@@ -48,10 +49,10 @@ def lora_expand(
 
         cfg = pick_config(meta, spec.in_dim, spec.out_dims, y.dtype)
         cfg = dataclasses.replace(cfg, split_k=v.shape[0], fused=False)
-        starts = pool.out_starts_tensor(module)
         return expand_triton(
-            y, v, bt, pool.page_table, pool.ranks, pool.scales, starts, meta, pool.page_rank, cfg
-        )
+            y, v, bt, pool.page_table, pool.ranks, pool.scales, spec.out_dims, spec.slice_starts, meta,
+            pool.page_rank, cfg,
+        )  # fmt: skip
     return expand_torch(
         y,
         v,
@@ -62,6 +63,7 @@ def lora_expand(
         meta,
         pool.page_rank,
         spec.out_starts,
+        spec.slice_starts,
     )
 
 
@@ -77,15 +79,16 @@ def lora_apply(
     config=None,
 ) -> torch.Tensor:
     """Semantics: for every token t with adapter a = token_slot[t] >= 0 and every slice s,
-    y[t, out_starts[s]:out_starts[s+1]] += scale_a * (x[t] @ A_{a,s}^T) @ B_{a,s}^T; other rows unchanged.
+    y[t, c_s:c_s + w_s] += scale_a * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with c_s = slice_starts[s] and
+    w_s = out_dims[s]; other rows and columns unchanged (bit for bit).
 
-    y: [T, sum(out_dims)] (the base projection's output, any float dtype of the pool), x: [T, in_dim],
+    y: [T, spec.y_width] (the base projection's output, any float dtype of the pool), x: [T, in_dim],
     meta.num_tokens <= T <= meta.capacity (rows past num_tokens: no adapter). In place; returns y. ``config`` (a LaunchConfig)
     overrides the heuristic launch shape on the Triton path. Graph-safe when ``meta.capture`` is set.
     """
     spec, a, bt = _checked(x, pool, layer, module, meta)
-    if y.dim() != 2 or y.shape != (x.shape[0], spec.out_total):
-        raise ValueError(f"y must be [{x.shape[0]}, {spec.out_total}], got {tuple(y.shape)}")
+    if y.dim() != 2 or y.shape != (x.shape[0], spec.y_width) or y.stride(1) != 1:
+        raise ValueError(f"y must be a row-contiguous [{x.shape[0]}, {spec.y_width}], got {tuple(y.shape)}")
     if y.dtype != pool.dtype:
         raise ValueError(f"y.dtype {y.dtype} differs from the pool's {pool.dtype}")
     if _use_triton(x, backend):
@@ -93,14 +96,13 @@ def lora_apply(
 
         cfg = config or pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
         tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
-        return lora_apply_triton(
-            y, x, a, bt, tables, spec.out_dims, pool.out_starts_tensor(module), meta, cfg
-        )
+        return lora_apply_triton(y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg)
     ranks = pool.host_ranks()
     v = shrink_torch(x, a, pool.page_table, ranks, meta, pool.page_rank, pool.max_rank)
     return expand_torch(
-        y, v, bt, pool.page_table, ranks, pool.host_scales(), meta, pool.page_rank, spec.out_starts
-    )
+        y, v, bt, pool.page_table, ranks, pool.host_scales(), meta, pool.page_rank, spec.out_starts,
+        spec.slice_starts,
+    )  # fmt: skip
 
 
 def _use_triton(t: torch.Tensor, backend: str) -> bool:

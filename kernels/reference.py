@@ -57,21 +57,25 @@ def expand_torch(
     meta: LoRABatchMeta,
     page_rank: int,
     out_starts: Sequence[int],
+    slice_starts: Sequence[int] | None = None,
 ) -> torch.Tensor:
-    """Semantics: y[t, c] += scale(a(t)) * sum_{j < rank(a(t))} v[s(c), t, j] * B_{a(t)}^T[j, c], where
-    s(c) is the slice holding column c; rows with no adapter are left as they were. In place; returns y.
+    """Semantics: y[t, y_s + c] += scale(a(t)) * sum_{j < rank(a(t))} v[s, t, j] * B_{a(t)}^T[j, p_s + c]
+    for each slice s and 0 <= c < w_s, where p_s = out_starts[s] (packed B^T column), w_s its width and
+    y_s = slice_starts[s] (default p_s); rows with no adapter and columns outside every slice are left as
+    they were. In place; returns y.
 
-    y: [T, N]; v: [S, T, R] float32; bt: [rows, N] pool buffer (B^T rows, slices side by side);
-    out_starts: (0, w0, w0+w1, ..., N).
+    y: [T, >= every y_s + w_s]; v: [S, T, R] float32; bt: [rows, N] pool buffer (B^T rows, slices side
+    by side); out_starts: (0, w0, w0+w1, ..., N).
     """
+    ys = list(out_starts[:-1]) if slice_starts is None else list(slice_starts)
     for slot, idx in meta.groups:
         r = int(ranks[slot])
         idx = idx.to(y.device)
         rows = phys_rows(page_table, slot, r, page_rank)
         b_t = bt[rows].float()  # [r, N]
-        delta = torch.empty(idx.numel(), y.shape[1], dtype=torch.float32, device=y.device)
         for s in range(len(out_starts) - 1):
             c0, c1 = out_starts[s], out_starts[s + 1]
-            delta[:, c0:c1] = v[s, idx, :r] @ b_t[:, c0:c1]
-        y[idx] = (y[idx].float() + float(scales[slot]) * delta).to(y.dtype)
+            cols = slice(ys[s], ys[s] + c1 - c0)
+            delta = v[s, idx, :r] @ b_t[:, c0:c1]  # [n, w_s]
+            y[idx, cols] = (y[idx, cols].float() + float(scales[slot]) * delta).to(y.dtype)
     return y

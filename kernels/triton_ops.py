@@ -3,8 +3,11 @@
 Two launches per projection, no zero-fill: shrink writes every v entry that expand reads (split-K
 partials go to separate planes, summed by expand, so no atomics), and expand adds into y.
 Both grids are sized to useful work: dim 0 strides over the step's tiles (up to the capacity under a
-CUDA graph; tiles past the step's last have count 0 and are skipped), never over pool slots, so idle resident adapters cost nothing and rows without an adapter
-are in no tile. Every rank loop runs to the tile's own rank, in chunks of BLOCK_R rows gathered through
+CUDA graph; tiles past the step's last have count 0 and are skipped), never over pool slots, so idle
+resident adapters cost nothing and rows without an adapter are in no tile.
+Any in_dim, any slice width and any slice start in y: K tiles are masked in shrink; expand's slice
+geometry is compile-time, and only modules whose widths some column chunk does not divide compile the
+masked (RAGGED) column loop, so aligned modules run the unmasked loop with provably aligned columns. Every rank loop runs to the tile's own rank, in chunks of BLOCK_R rows gathered through
 the page table, so a rank-8 adapter moves an eighth of a rank-64 one.
 Launch shapes (``LaunchConfig``, ``pick_config``) live in launch_config.py and are re-exported here.
 """
@@ -100,13 +103,23 @@ def _shrink_kernel(
 
 
 @triton.jit
+def _pick(s, V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.constexpr):
+    """V[s] for a run-time slice index over compile-time values: no memory access, and terms whose value
+    equals V0 fold away (the packed layout's offsets are all 0), so the compiler still sees alignment."""
+    t = V0 + (s == 1).to(tl.int32) * (V1 - V0)
+    return t + (s == 2).to(tl.int32) * (V2 - V0) + (s == 3).to(tl.int32) * (V3 - V0)
+
+
+@triton.jit
 def _expand_tile(
     v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask, slot, rank, scale,
-    page_table_ptr, c0,
+    page_table_ptr, c0, c_end, dy,
     SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-    FUSED: tl.constexpr, PRECISION: tl.constexpr,
+    FUSED: tl.constexpr, RAGGED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
+    # Columns c of this chunk are packed B^T columns; y column = c + dy. RAGGED: the chunk may run past
+    # its slice's end c_end, so the loop stops there and the last column tile is masked.
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -131,34 +144,57 @@ def _expand_tile(
         # The scale rides on v: one multiply per (token, rank) instead of per output.
         vs = (vs * scale).to(bt_ptr.dtype.element_ty)
         b_rows = bt_ptr + phys * stride_br  # [BR]
-        for n0 in range(c0, c0 + N_CHUNK, BLOCK_N):
-            nn = n0 + offs_n
-            bt = tl.load(b_rows[:, None] + nn[None, :], mask=r_mask[:, None], other=0.0)
-            y_ptrs = y_rows[:, None] + nn[None, :]
-            yt = tl.load(y_ptrs, mask=m_mask[:, None])
-            acc = tl.dot(vs, bt, acc=yt.to(tl.float32), input_precision=PRECISION)
-            tl.store(y_ptrs, acc.to(yt.dtype), mask=m_mask[:, None])
+        if RAGGED:
+            for n0 in range(c0, tl.minimum(c0 + N_CHUNK, c_end), BLOCK_N):
+                nn = n0 + offs_n
+                n_mask = nn < c_end
+                bt = tl.load(b_rows[:, None] + nn[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+                y_ptrs = y_rows[:, None] + (nn + dy)[None, :]
+                y_mask = m_mask[:, None] & n_mask[None, :]
+                yt = tl.load(y_ptrs, mask=y_mask)
+                acc = tl.dot(vs, bt, acc=yt.to(tl.float32), input_precision=PRECISION)
+                tl.store(y_ptrs, acc.to(yt.dtype), mask=y_mask)
+        else:
+            for n0 in range(c0, c0 + N_CHUNK, BLOCK_N):
+                nn = n0 + offs_n
+                bt = tl.load(b_rows[:, None] + nn[None, :], mask=r_mask[:, None], other=0.0)
+                y_ptrs = y_rows[:, None] + (nn + dy)[None, :]
+                yt = tl.load(y_ptrs, mask=m_mask[:, None])
+                acc = tl.dot(vs, bt, acc=yt.to(tl.float32), input_precision=PRECISION)
+                tl.store(y_ptrs, acc.to(yt.dtype), mask=m_mask[:, None])
 
 
 @triton.jit
 def _expand_kernel(
     v_ptr, stride_vk, stride_vs, stride_vt, x_ptr, stride_xt, a_ptr, stride_as, stride_ar, K,
     bt_ptr, stride_br, y_ptr, stride_yt, tiles_ptr, tile_bound, order_ptr, page_table_ptr, ranks_ptr,
-    scales_ptr, starts_ptr,
+    scales_ptr,
     NUM_SLICES: tl.constexpr, SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
     BLOCK_M: tl.constexpr, SMALL_R: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     N_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr, PRECISION: tl.constexpr,
+    RAGGED: tl.constexpr, CB1: tl.constexpr, CB2: tl.constexpr, CB3: tl.constexpr,
+    OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
+    END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, END3: tl.constexpr,
+    DY0: tl.constexpr, DY1: tl.constexpr, DY2: tl.constexpr, DY3: tl.constexpr,
 ):  # fmt: skip
-    # program (g, c): tiles g, g+G, ...; columns [c*N_CHUNK, (c+1)*N_CHUNK), inside one slice. v is loaded
-    # (or, FUSED, computed from x and A: no shrink launch) once per tile and rank chunk, then the column
-    # loop streams B^T and y, pipelined by the compiler. Tiles of rank <= SMALL_R use narrow tiles.
+    # program (g, c): tiles g, g+G, ...; column chunk c of one slice. Slice s owns chunks [CB_s, CB_s+1);
+    # chunk c covers packed B^T columns c*N_CHUNK + OFF_s onwards, up to END_s, and y columns DY_s further
+    # (slice geometry is compile-time: see _slice_geometry). v is loaded (or, FUSED, computed from x and
+    # A: no shrink launch) once per tile and rank chunk, then the column loop streams B^T and y,
+    # pipelined by the compiler. Tiles of rank <= SMALL_R use narrow tiles.
     pid_g = tl.program_id(0)
     pid_c = tl.program_id(1)
     num_g = tl.num_programs(0)
-    c0 = pid_c * N_CHUNK
-    sl = 0
-    for i in tl.static_range(1, NUM_SLICES):
-        sl += (c0 >= tl.load(starts_ptr + i)).to(tl.int32)
+    sl = pid_c * 0
+    if NUM_SLICES > 1:
+        sl += (pid_c >= CB1).to(tl.int32)
+    if NUM_SLICES > 2:
+        sl += (pid_c >= CB2).to(tl.int32)
+    if NUM_SLICES > 3:
+        sl += (pid_c >= CB3).to(tl.int32)
+    c0 = pid_c * N_CHUNK + _pick(sl, OFF0, OFF1, OFF2, OFF3)
+    c_end = _pick(sl, END0, END1, END2, END3)
+    dy = _pick(sl, DY0, DY1, DY2, DY3)
     offs_m = tl.arange(0, BLOCK_M)
     for tile in range(pid_g, tile_bound, num_g):
         slot = tl.load(tiles_ptr + tile * 3)
@@ -176,15 +212,35 @@ def _expand_kernel(
             if BLOCK_R > SMALL_R and rank <= SMALL_R:  # constexpr short-circuit, as in _shrink_kernel
                 _expand_tile(
                     v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
-                    slot, rank, scale, page_table_ptr, c0, SPLIT, PAGE, MAX_PAGES, BLOCK_M, SMALL_R, BLOCK_N,
-                    N_CHUNK, BLOCK_K, FUSED, PRECISION,
+                    slot, rank, scale, page_table_ptr, c0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_M, SMALL_R,
+                    BLOCK_N, N_CHUNK, BLOCK_K, FUSED, RAGGED, PRECISION,
                 )  # fmt: skip
             else:
                 _expand_tile(
                     v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
-                    slot, rank, scale, page_table_ptr, c0, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R, BLOCK_N,
-                    N_CHUNK, BLOCK_K, FUSED, PRECISION,
+                    slot, rank, scale, page_table_ptr, c0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R,
+                    BLOCK_N, N_CHUNK, BLOCK_K, FUSED, RAGGED, PRECISION,
                 )  # fmt: skip
+
+
+def _slice_geometry(out_dims: tuple[int, ...], slice_starts: tuple[int, ...], n_chunk: int):
+    """Compile-time slice table of the expand kernel: (number of column chunks, constexpr kwargs).
+
+    Slice s owns ceil(width_s / n_chunk) chunks; packed B^T columns start at P_s = sum of earlier widths,
+    y columns at slice_starts[s]. RAGGED is set when some width is not a multiple of n_chunk (masked
+    column tiles); unused entries repeat slice 0 so they fold away."""
+    geo, begin, packed = {}, 0, 0
+    for i, (w, y0) in enumerate(zip(out_dims, slice_starts, strict=True)):
+        if i:
+            geo[f"CB{i}"] = begin
+        geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = packed - begin * n_chunk, packed + w, y0 - packed
+        begin += -(-w // n_chunk)
+        packed += w
+    for i in range(len(out_dims), 4):
+        geo[f"CB{i}"] = begin
+        geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = geo["OFF0"], geo["END0"], geo["DY0"]
+    geo["RAGGED"] = any(w % n_chunk for w in out_dims)
+    return begin, geo
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -236,30 +292,34 @@ def expand_triton(
     page_table: torch.Tensor,
     ranks: torch.Tensor,
     scales: torch.Tensor,
-    out_starts: torch.Tensor,
+    out_dims: tuple[int, ...],
+    slice_starts: tuple[int, ...],
     meta: LoRABatchMeta,
     page_rank: int,
     cfg: LaunchConfig,
     x: torch.Tensor | None = None,
     a: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Semantics: as ``reference.expand_torch`` with v summed over its split planes. In place.
-    With ``cfg.fused``, v is None and computed in-kernel from ``x`` [T, K] and ``a`` [S, rows, K]
-    (shrink fused: one launch in total).
+    """Semantics: as ``reference.expand_torch`` with v summed over its split planes. In place: only the
+    columns [slice_starts[s], slice_starts[s] + out_dims[s]) of adapter rows change. With ``cfg.fused``,
+    v is None and computed in-kernel from ``x`` [T, K] and ``a`` [S, rows, K] (one launch in total).
 
-    y: [T, N]; v: [split_k, S, T, R] float32; bt: [rows, N]; out_starts: int32 [S + 1] on y's device.
+    y: [T, >= every slice's end]; v: [split_k, S, T, R] float32; bt: [rows, sum(out_dims)] (packed).
     """
-    n_dim = y.shape[1]
     if y.stride(1) != 1 or bt.stride(1) != 1:
         raise ValueError("y and bt must be contiguous along their last dimension")
-    if n_dim % cfg.n_chunk:
-        raise ValueError(f"n_chunk {cfg.n_chunk} must divide every slice width (N={n_dim})")
+    if bt.shape[1] != sum(out_dims) or y.shape[1] < max(
+        c + w for c, w in zip(slice_starts, out_dims, strict=True)
+    ):
+        raise ValueError(
+            f"bt [{bt.shape[1]} cols] and y [{y.shape[1]} cols] do not hold slices {out_dims} at {slice_starts}"
+        )
     if cfg.fused and (x is None or a is None):
         raise ValueError("a fused expand needs x and a")
     bound = meta.capacity if meta.capture else meta.host_num_tiles
     if not meta.capture and bound == 0:
         return y
-    chunks = n_dim // cfg.n_chunk
+    chunks, geo = _slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.n_chunk)
     g = max(1, min(bound, cfg.expand_programs // chunks))
     if cfg.fused:
         v_args = (y, 0, 0, 0)
@@ -271,10 +331,10 @@ def expand_triton(
         num_slices, split = v.shape[1], v.shape[0]
     _expand_kernel[(g, chunks)](
         *v_args, *x_args, bt, bt.stride(0), y, y.stride(0),
-        meta.tiles, bound, meta.token_order, page_table, ranks, scales, out_starts,
+        meta.tiles, bound, meta.token_order, page_table, ranks, scales,
         NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
         BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.block_r), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, N_CHUNK=cfg.n_chunk,
-        BLOCK_K=cfg.block_k, FUSED=cfg.fused, PRECISION=_precision(y.dtype),
+        BLOCK_K=cfg.block_k, FUSED=cfg.fused, PRECISION=_precision(y.dtype), **geo,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
@@ -287,21 +347,21 @@ def lora_apply_triton(
     bt: torch.Tensor,
     pool_tables: tuple,
     out_dims: tuple[int, ...],
-    out_starts: torch.Tensor,
+    slice_starts: tuple[int, ...],
     meta: LoRABatchMeta,
     cfg: LaunchConfig,
 ) -> torch.Tensor:
     """shrink + expand (or the fused expand alone). ``pool_tables`` = (page_table, ranks, scales,
-    page_rank, max_rank)."""
-    if any(w % cfg.n_chunk for w in out_dims):
-        raise ValueError(f"LaunchConfig.n_chunk {cfg.n_chunk} must divide every slice width {out_dims}")
+    page_rank, max_rank); slices as in ``ModuleSpec``."""
     page_table, ranks, scales, page_rank, max_rank = pool_tables
     cfg = _FALLBACK.get(cfg, cfg)
     try:
         v = None
         if not cfg.fused:
             v = shrink_triton(x, a, page_table, ranks, meta, page_rank, max_rank, cfg)
-        return expand_triton(y, v, bt, page_table, ranks, scales, out_starts, meta, page_rank, cfg, x, a)
+        return expand_triton(
+            y, v, bt, page_table, ranks, scales, out_dims, slice_starts, meta, page_rank, cfg, x, a
+        )
     except OutOfResources:
         # Compilation happens on the first call (never inside a graph capture): retry with shallower
         # pipelines and narrower K tiles, and remember the choice.
@@ -309,7 +369,7 @@ def lora_apply_triton(
             raise
         smaller = dataclasses.replace(cfg, num_stages=2, block_k=max(32, cfg.block_k // 2))
         _FALLBACK[cfg] = smaller
-        return lora_apply_triton(y, x, a, bt, pool_tables, out_dims, out_starts, meta, smaller)
+        return lora_apply_triton(y, x, a, bt, pool_tables, out_dims, slice_starts, meta, smaller)
 
 
 _FALLBACK: dict[LaunchConfig, LaunchConfig] = {}

@@ -13,6 +13,7 @@ import dataclasses
 import ipaddress
 import logging
 import sys
+from pathlib import Path
 
 from .model_fetch import fetch_model, is_s3_uri
 from .serve_options import ServeOptions, add_server_arguments, build_parser, options_from_args
@@ -42,6 +43,9 @@ def build_engine(options: ServeOptions, tokenizer):
     )
     if options.kv_cache_fraction is not None:
         config = dataclasses.replace(config, gpu_memory_utilization=options.kv_cache_fraction)
+    adapters = {"max_lora_rank": options.max_rank, "lora_pool_bytes": options.gpu_adapter_bytes,
+                "lora_host_bytes": options.host_adapter_bytes}  # fmt: skip
+    config = dataclasses.replace(config, **{k: v for k, v in adapters.items() if v is not None})
     return AsyncEngine.from_config(config, tokenizer)
 
 
@@ -54,9 +58,10 @@ def resolve_model(options: ServeOptions) -> ServeOptions:
 
 
 def build_app(options: ServeOptions):
-    """(app, engine): the caller runs the app and closes the engine."""
+    """(app, engine): the caller runs the app (after ``prepare``) and closes the engine."""
     from loraplane.server.http.app import create_app
     from loraplane.server.http.auth import ApiKeys
+    from loraplane.server.http.metrics import Metrics
 
     options = resolve_model(options)
 
@@ -64,14 +69,55 @@ def build_app(options: ServeOptions):
     tokenizer = load_tokenizer(options.model)
     engine = build_engine(options, tokenizer)
     try:
-        _check_base_hash(options, engine.engine.runner.base_hash)
-        app = create_app(engine, tokenizer, options.model_name, api_keys)
+        _check_base_hash(options, engine.info().base_hash)
+        metrics = Metrics(options.metrics_adapter_labels)
+        app = create_app(engine, tokenizer, options.model_name, api_keys, metrics=metrics)
+        app.state.options = options
+        app.state.trusted_keys = trusted_keys(options)
     except BaseException:
         engine.close()
         raise
-    if api_keys is None and not _is_loopback(options.host):
-        log.warning("serving on %s without API keys: anyone who reaches it may use it", options.host)
+    if api_keys is None:
+        where = "anyone who reaches it" if not _is_loopback(options.host) else "any local process"
+        log.warning("no --api-keys-file: the OpenAI API on %s is open to %s", options.host, where)
+    else:
+        log.info("API keys from %s: %d keys", options.api_keys_file, len(api_keys))
     return app, engine
+
+
+def trusted_keys(options: ServeOptions) -> dict[str, bytes]:
+    if options.trusted_keys_dir is None:
+        return {}
+    from loraplane.server.artifacts.errors import ArtifactError
+    from loraplane.server.artifacts.signing import load_trusted_keys
+
+    try:
+        return load_trusted_keys(options.trusted_keys_dir)
+    except ArtifactError as exc:
+        raise ValueError(f"trusted_keys_dir: {exc}") from None
+
+
+async def prepare(app) -> None:
+    """Before serving: load, warm and route the local adapters (``--adapter name=DIR``)."""
+    from loraplane.server.artifacts.errors import ArtifactError
+    from loraplane.server.engine.api import AdapterError
+    from loraplane.server.http.sources import open_local_folder
+
+    state, options = app.state.server, app.state.options
+    keys = app.state.trusted_keys
+    if options.adapters and not keys:
+        log.warning("no --trusted-keys-dir: local adapters are not signature-checked")
+    for name, folder in options.adapters:
+        try:
+            local = await asyncio.to_thread(open_local_folder, Path(folder), keys or None, state.info)
+            await state.engine.load_adapter(name, local.version, local.path, local.digest, pin=True,
+                                            expected_base_hash=state.info.base_hash)  # fmt: skip
+            await state.engine.warm_adapter(name, local.version, gpu=True)
+            await state.engine.set_alias(name, local.version)
+        except (ArtifactError, AdapterError) as exc:
+            detail = f"{exc.field}: {exc.message}" if getattr(exc, "field", None) else exc.message
+            raise ValueError(f"adapter: {name}={folder}: {exc.reason}: {detail}") from None
+        log.info("serving adapter %s@%s from %s (%s)", name, local.version, folder, local.digest)
 
 
 def _check_base_hash(options: ServeOptions, loaded: str) -> None:
@@ -90,13 +136,28 @@ def _is_loopback(host: str) -> bool:
 
 
 def build_admin_app(app, token: str):
+    """The admin app over ``app``'s state; it pulls adapters when the server has a host cache."""
+    from loraplane.server.http.adapters import AdapterManager
     from loraplane.server.http.admin import create_admin_app
+    from loraplane.server.http.sources import S3Source
 
-    return create_admin_app(app.state.server, token)
+    state = app.state.server
+    options = getattr(app.state, "options", None)
+    manager = None
+    if options is not None and options.host_cache_dir is not None:
+        source = S3Source.create(options.host_cache_dir, options.host_adapter_bytes,
+                                 app.state.trusted_keys, state.engine.info)  # fmt: skip
+        manager = AdapterManager(state.engine, state.metrics, source.pull, source.release, source.pin)
+        state.metrics.watch_engine(state.engine, source.cache)
+    else:
+        state.metrics.watch_engine(state.engine)
+    return create_admin_app(state, token, manager)
 
 
-async def serve_all(servers) -> None:
+async def serve_all(servers, before=None) -> None:
     """Serve uvicorn servers in one event loop; when one stops (a signal, a failure), stop the others."""
+    if before is not None:
+        await before
     tasks = [asyncio.create_task(server.serve()) for server in servers]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -110,25 +171,22 @@ def run(options: ServeOptions, on_ready=None) -> int:
     """Build, call ``on_ready(app)`` (a banner, say), serve until interrupted, close the engine."""
     import uvicorn
 
+    from loraplane.server.http import logs
     from loraplane.server.http.admin import read_admin_token
 
-    logging.basicConfig(
-        level=options.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    logs.configure(options.log_level, json_lines=options.log_format == "json")
     token = read_admin_token(options.admin_token_file) if options.admin_token_file else None  # fail fast
     app, engine = build_app(options)
     try:
-        servers = [uvicorn.Server(uvicorn.Config(app, host=options.host, port=options.port,
-                                                 log_level=options.log_level))]  # fmt: skip
+        # Our RequestLog writes the access lines; uvicorn's own lines go through the root logger (JSON too).
+        quiet = dict(host=options.host, log_level=options.log_level, access_log=False, log_config=None)
+        servers = [uvicorn.Server(uvicorn.Config(app, port=options.port, **quiet))]
         if token is not None:
             admin = build_admin_app(app, token)
-            config = uvicorn.Config(
-                admin, host=options.host, port=options.admin_port, log_level=options.log_level
-            )
-            servers.append(uvicorn.Server(config))
+            servers.append(uvicorn.Server(uvicorn.Config(admin, port=options.admin_port, **quiet)))
         if on_ready is not None:
             on_ready(app)
-        asyncio.run(serve_all(servers))
+        asyncio.run(serve_all(servers, before=prepare(app)))
     finally:
         engine.close()
     return 0

@@ -6,12 +6,13 @@ Torch-free. ``build_parser`` is what the contract test parses the operator's arg
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from .model_fetch import is_s3_uri
 
-LATER = "accepted and validated now; used by the multi-LoRA adapter issue"
+ADAPTER_NAME = re.compile(r"[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?")
 
 
 @dataclass(slots=True)
@@ -31,8 +32,10 @@ class ServeOptions:
     kv_cache_fraction: float | None = None  # EngineConfig.gpu_memory_utilization (None: its default)
     admin_port: int | None = None  # the admin API (needs admin_token_file)
     admin_token_file: str | None = None
-    host_cache_dir: str | None = None  # the fetched base model now; adapters later
-    # Kept for the multi-LoRA issue (adapter slots, caches, signature trust):
+    host_cache_dir: str | None = None  # the fetched base model and the adapters pulled from S3
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, local PEFT folder) served from the start
+    log_format: str = "json"
+    metrics_adapter_labels: int = 100  # distinct adapter label values in metrics; later ones are "other"
     max_rank: int | None = None
     gpu_adapter_bytes: int | None = None
     host_adapter_bytes: int | None = None
@@ -53,6 +56,7 @@ class ServeOptions:
                 raise ValueError(f"{name}: {value} is not an existing directory")
         self._check_model()
         self._check_admin()
+        self._check_adapters()
         for name in ("max_rank", "gpu_adapter_bytes", "host_adapter_bytes", "max_num_seqs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value <= 0):
@@ -81,6 +85,23 @@ class ServeOptions:
             raise ValueError(f"admin_port: must differ from port ({self.port})")
         if self.admin_token_file is not None and not Path(self.admin_token_file).is_file():
             raise ValueError(f"admin_token_file: {self.admin_token_file} is not a readable file")
+
+    def _check_adapters(self) -> None:
+        self.adapters = tuple(tuple(a) for a in self.adapters)
+        names = [name for name, _ in self.adapters]
+        for name, folder in self.adapters:
+            if not ADAPTER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"adapter: {name!r}: a name is 1-63 lowercase letters, digits, '.', '_', '-'"
+                )
+            if not Path(folder).is_dir():
+                raise ValueError(f"adapter: {name}={folder}: not a folder")
+            if names.count(name) > 1:
+                raise ValueError(f"adapter: {name!r} is given twice")
+        if self.log_format not in ("json", "text"):
+            raise ValueError(f"log_format: must be json or text, got {self.log_format!r}")
+        if not isinstance(self.metrics_adapter_labels, int) or self.metrics_adapter_labels < 0:
+            raise ValueError("metrics_adapter_labels: must be an integer >= 0")
 
     @property
     def model_name(self) -> str:
@@ -120,6 +141,30 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-keys-file", help="API keys: one per line, or the operator's api-keys.yaml; without it, no auth"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-format", default="json", choices=["json", "text"], help="log lines (default: json)"
+    )
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        type=_adapter_arg,
+        metavar="NAME=DIR",
+        help="serve the PEFT LoRA folder DIR as model NAME (repeatable); signed when --trusted-keys-dir is set",
+    )
+    parser.add_argument(
+        "--metrics-adapter-labels",
+        type=int,
+        default=100,
+        help="at most this many adapter names as metric labels; others count as 'other' (default 100)",
+    )
+
+
+def _adapter_arg(value: str) -> tuple[str, str]:
+    name, sep, folder = value.partition("=")
+    if not sep or not name or not folder:
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
+    return name, folder
 
 
 def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,12 +176,15 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-fraction", type=float, help="fraction of free GPU memory for weights + KV (0, 1]"
     )
     pod.add_argument(
-        "--host-cache-dir", help="existing dir: the s3:// base model is cached here (adapters later)"
+        "--host-cache-dir", help="existing dir: the s3:// base model and adapters are cached here"
     )
-    pod.add_argument("--max-rank", type=int, help=f"highest LoRA rank ({LATER})")
-    pod.add_argument("--gpu-adapter-bytes", type=int, help=f"GPU memory for adapters ({LATER})")
-    pod.add_argument("--host-adapter-bytes", type=int, help=f"host cache for adapters ({LATER})")
-    pod.add_argument("--trusted-keys-dir", help=f"existing dir of adapter-signing public keys ({LATER})")
+    pod.add_argument("--max-rank", type=int, help="highest LoRA rank the engine accepts")
+    pod.add_argument("--gpu-adapter-bytes", type=int, help="GPU memory for adapter weights")
+    pod.add_argument("--host-adapter-bytes", type=int, help="host cache budget for adapters (bytes)")
+    pod.add_argument(
+        "--trusted-keys-dir",
+        help="existing dir of adapter-signing public keys; without it, S3 adapters are refused",
+    )
 
 
 def options_from_args(args: argparse.Namespace, model: str, served_model_name: str | None) -> ServeOptions:
@@ -167,5 +215,8 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
         api_keys_file=args.api_keys_file,
         served_model_name=served_model_name,
         log_level=args.log_level,
+        log_format=args.log_format,
+        adapters=tuple(args.adapter),
+        metrics_adapter_labels=args.metrics_adapter_labels,
         **pod,
     )

@@ -74,6 +74,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # ---------------------------------------------------------------------------------------- prefill (SDPA)
 def _sdpa_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [n, Hq, D]; k, v: [L, Hkv, D] with the queries at the last n positions -> [n, Hq, D]."""
+    if not q.is_cuda:
+        return _sdpa_span_cpu(q, k, v, scale)
     n, L = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     qh = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
@@ -85,6 +87,22 @@ def _sdpa_span(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
         rows = torch.arange(L - n, L, device=q.device)[:, None]
         mask = torch.arange(L, device=q.device)[None, :] <= rows  # [n, L] bottom-right causal
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
+    return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
+
+
+def _sdpa_span_cpu(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """_sdpa_span on the CPU, bit-identical to it: SDPA's own GQA instead of copying K and V per q head, and
+    no mask for a single query (the last position sees the whole context). Every CPU decode step runs this in
+    every layer; the two copies and the mask cost more than the attention itself at SmolLM2's sizes."""
+    n, L = q.shape[0], k.shape[0]
+    gqa = q.shape[1] != k.shape[1]
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, n or L, D]
+    if n == L or n == 1:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=n > 1, scale=scale, enable_gqa=gqa)
+    else:
+        rows = torch.arange(L - n, L, device=q.device)[:, None]
+        mask = torch.arange(L, device=q.device)[None, :] <= rows  # [n, L] bottom-right causal
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)  # [n, Hq, D]
 
 

@@ -1,13 +1,19 @@
-"""Paged KV-cache bookkeeping: a free list, per-sequence block tables and per-block refcounts (torch-free).
+"""Paged KV-cache bookkeeping: block tables, refcounts and automatic prefix caching (torch-free).
 
 The KV cache itself lives in the model runner as [num_blocks, block_size, ...] tensors; this module only decides
-which block ids a sequence owns. Refcounts let a block be shared (prefix reuse keyed by adapter version and
-token hash is a later issue): a block returns to the free list when its last owner lets go.
+which block ids a sequence owns. With prefix caching, every full block that has been computed is registered
+under a hash of (its parent block's hash, the sequence's cache salt, its token ids): the salt is the adapter's
+identity (its manifest digest, "" for the base), because an adapter changes the keys and values themselves.
+A later sequence whose leading blocks hash the same shares them (refcounted) instead of recomputing them.
+A block nobody holds goes back to the free list but keeps its content and hash until it is reused: free
+blocks are taken least recently freed first, empty ones before cached ones.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 
 from .sequence import Sequence
 
@@ -17,7 +23,9 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.01) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_prefix_caching: bool = False
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -26,14 +34,23 @@ class BlockManager:
             raise ValueError(f"watermark: must be in [0, 1), got {watermark}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         # Kept free when admitting new sequences so running ones can still grow by a block without preempting.
         self.watermark_blocks = int(watermark * num_blocks)
         self.ref_counts = [0] * num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
+        self._hash_of: list[bytes | None] = [None] * num_blocks  # the content a block holds, if registered
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
+        self.prefix_queried_tokens = 0  # prompt tokens looked up at admission
+        self.prefix_hit_tokens = 0  # of those, found in the cache
 
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
 
     @property
     def capacity_tokens(self) -> int:
@@ -67,7 +84,8 @@ class BlockManager:
                 f"seq {seq.seq_id} needs {missing} blocks for {num_tokens} tokens, {self.num_free_blocks} free"
             )
         for _ in range(missing):
-            block_id = self._free.popleft()
+            block_id, _ = self._free.popitem(last=False)
+            self._forget(block_id)  # its old content is overwritten from now on
             self.ref_counts[block_id] = 1
             seq.block_table.append(block_id)
 
@@ -81,11 +99,76 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop seq's claim on all its blocks; blocks nobody else holds go back to the free list."""
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(seq.block_table):  # its tail blocks are reused before its head blocks
             count = self.ref_counts[block_id]
             if count <= 0:
                 raise RuntimeError(f"block {block_id} freed more often than allocated (seq {seq.seq_id})")
             self.ref_counts[block_id] = count - 1
             if count == 1:
-                self._free.append(block_id)
+                self._free[block_id] = None
+                if self._hash_of[block_id] is None:  # nothing worth keeping: reuse it first
+                    self._free.move_to_end(block_id, last=False)
         seq.block_table = []
+        seq.num_cached_blocks = 0
+
+    # --- prefix caching -------------------------------------------------------------------------------------
+    def lookup(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding seq's leading full blocks; the last token is always left to compute."""
+        if not self.enable_prefix_caching or seq.block_table:
+            return []
+        hits: list[int] = []
+        for index in range((seq.num_tokens - 1) // self.block_size):
+            block_id = self._cached.get(self._block_hash(seq, index))
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int, keep_watermark: bool) -> bool:
+        """Whether seq, starting on its cached `hits`, can cover positions [0, num_tokens)."""
+        reserve = self.watermark_blocks if keep_watermark else 0
+        revived = sum(1 for block_id in hits if self.ref_counts[block_id] == 0)  # taken off the free list
+        missing = max(0, self.blocks_for(num_tokens) - len(hits))
+        return missing + revived <= self.num_free_blocks - reserve
+
+    def claim(self, seq: Sequence, hits: list[int]) -> None:
+        """Start seq's block table with the cached blocks `hits` (from lookup())."""
+        for block_id in hits:
+            if self.ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self.ref_counts[block_id] += 1
+        seq.block_table = list(hits)
+        seq.num_cached_blocks = len(hits)
+        if self.enable_prefix_caching:
+            self.prefix_queried_tokens += seq.num_tokens
+            self.prefix_hit_tokens += len(hits) * self.block_size
+
+    def cache_full_blocks(self, seq: Sequence) -> None:
+        """Register the blocks that seq has filled and computed since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for index in range(seq.num_cached_blocks, full):
+            block_id, block_hash = seq.block_table[index], self._block_hash(seq, index)
+            if self._hash_of[block_id] is None and block_hash not in self._cached:
+                self._cached[block_hash] = block_id
+                self._hash_of[block_id] = block_hash
+        seq.num_cached_blocks = max(seq.num_cached_blocks, full)
+
+    def _block_hash(self, seq: Sequence, index: int) -> bytes:
+        """hash(parent block hash, cache salt, token ids of block `index`), memoised on seq."""
+        hashes, size = seq.block_hashes, self.block_size
+        salt = seq.cache_salt.encode()
+        while len(hashes) <= index:
+            start = len(hashes) * size
+            digest = hashlib.sha256(hashes[-1] if hashes else b"\0" * 32)
+            digest.update(len(salt).to_bytes(4, "little") + salt)
+            digest.update(array("q", seq.token_ids[start : start + size]).tobytes())
+            hashes.append(digest.digest())
+        return hashes[index]
+
+    def _forget(self, block_id: int) -> None:
+        block_hash = self._hash_of[block_id]
+        if block_hash is not None:
+            del self._cached[block_hash]
+            self._hash_of[block_id] = None

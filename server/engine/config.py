@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -15,6 +16,10 @@ def _require(ok: bool, field: str, message: str) -> None:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(slots=True)
@@ -32,6 +37,21 @@ class EngineConfig:
     enforce_eager: bool = False  # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     seed: int = 0
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
+    # How long later arrivals may be admitted ahead of a waiting request (grouping by adapter, resident
+    # adapters first, skipping a loading adapter); after that it goes first and nothing later is admitted before it.
+    max_passed_over_s: float = 2.0
+    # Refuse new requests (overloaded) while this many wait; None: no limit.
+    max_waiting_seqs: int | None = None
+    max_queue_wait_s: float | None = None  # refuse new requests while queued ones already wait longer
+    adapter_load_timeout_s: float = 60.0  # a request whose adapter is still not resident after this fails
+    # Adapters (multi-LoRA). The GPU pools hold max_loras adapters of max_lora_rank on every module (more of
+    # lower rank or fewer modules); lora_pool_bytes, when set, sizes them in bytes instead.
+    enable_lora: bool = True
+    max_lora_rank: int = 64
+    max_loras: int = 8
+    lora_pool_bytes: int | None = None
+    lora_host_bytes: int = 8 << 30  # pinned host RAM for parsed adapters (LRU)
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path")
@@ -76,3 +96,36 @@ class EngineConfig:
             f"must be strictly increasing positive ints, got {sizes!r}",
         )
         _require(_is_int(self.seed), "seed", f"must be an int, got {self.seed!r}")
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", "must be a bool")
+        _require(
+            _is_seconds(self.max_passed_over_s) and self.max_passed_over_s >= 0.0,
+            "max_passed_over_s",
+            f"must be a finite number of seconds >= 0, got {self.max_passed_over_s!r}",
+        )
+        if self.max_waiting_seqs is not None:
+            _require(
+                _is_int(self.max_waiting_seqs) and self.max_waiting_seqs > 0,
+                "max_waiting_seqs",
+                f"must be a positive int or None, got {self.max_waiting_seqs!r}",
+            )
+        if self.max_queue_wait_s is not None:
+            _require(
+                _is_seconds(self.max_queue_wait_s) and self.max_queue_wait_s > 0.0,
+                "max_queue_wait_s",
+                f"must be a positive finite number of seconds or None, got {self.max_queue_wait_s!r}",
+            )
+        _require(
+            _is_seconds(self.adapter_load_timeout_s) and self.adapter_load_timeout_s > 0.0,
+            "adapter_load_timeout_s",
+            f"must be a positive finite number of seconds, got {self.adapter_load_timeout_s!r}",
+        )
+        _require(isinstance(self.enable_lora, bool), "enable_lora", "must be a bool")
+        for name in ("max_lora_rank", "max_loras", "lora_host_bytes"):
+            value = getattr(self, name)
+            _require(_is_int(value) and value > 0, name, f"must be a positive int, got {value!r}")
+        if self.lora_pool_bytes is not None:
+            _require(
+                _is_int(self.lora_pool_bytes) and self.lora_pool_bytes > 0,
+                "lora_pool_bytes",
+                f"must be a positive int or None, got {self.lora_pool_bytes!r}",
+            )

@@ -148,10 +148,10 @@ def rope_and_store_kv(qkv: torch.Tensor, num_q: int, num_kv: int, positions: tor
         qk = qkv[:, : num_q + num_kv]
         qk.copy_(rope_ref(qk, positions, cos, sin))
         if store:
-            k_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(
-                0, slot_mapping, qkv[:, num_q : num_q + num_kv]
-            )
-            v_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slot_mapping, qkv[:, num_q + num_kv :])
+            keep = slot_mapping >= 0  # [T] rows that store (a warm-up forward stores nothing)
+            slots, k, v = slot_mapping[keep], qkv[keep, num_q : num_q + num_kv], qkv[keep, num_q + num_kv :]
+            k_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slots, k)
+            v_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slots, v)
         return
     T, H, D = qkv.shape
     assert H == num_q + 2 * num_kv and qkv.stride(1) == D and qkv.stride(2) == 1 and D % 2 == 0

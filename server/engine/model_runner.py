@@ -8,6 +8,7 @@ through ``AttentionMetadata``. Decode-only steps replay a CUDA graph when one fi
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,8 +17,11 @@ import torch
 
 from .attention import AttentionMetadata, PrefillSpan, paged_decode
 from .cuda_graphs import DecodeGraphs
+from .lora_layers import LoRAStepState, build_pools, pool_row_bytes, wrap_model
+from .lora_manager import AdapterManager
 from .model import CausalLM
 from .model_config import ModelConfig
+from .residency import NullResidency
 from .sampler import SamplingMetadata, sample
 from .weights import base_hash, load_model
 
@@ -92,17 +96,83 @@ class ModelRunner:
         else:
             self.model, self.base_hash = model, "in-memory"
         self.model.init_rope(self.max_model_len, self.device)
+        self._init_lora()  # before KV sizing: the adapter pools come out of the same memory
         self.num_kv_blocks = self._num_kv_blocks(free_before)
         self._allocate_kv_cache()
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
+        self.base_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             self._compile_step_kernels()
         if self.device.type == "cuda" and not config.enforce_eager:
             sizes = tuple(s for s in config.cuda_graph_batch_sizes if s <= config.max_num_seqs)
             if sizes:
-                self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+                self._capture_graphs(sizes)
+
+    # ------------------------------------------------------------------------------------ adapters
+    def _init_lora(self) -> None:
+        """Adapter pools (one per PEFT module), the LoRA wrappers and the registry / residency."""
+        self.lora: AdapterManager | None = None
+        self.lora_state: LoRAStepState | None = None
+        self.residency = NullResidency()
+        cfg = self.config
+        if not cfg.enable_lora:
+            return
+        row_bytes = sum(pool_row_bytes(self.model_config, self.dtype).values())
+        rows = cfg.lora_pool_bytes // row_bytes if cfg.lora_pool_bytes else cfg.max_loras * cfg.max_lora_rank
+        pools = build_pools(self.model_config, rows, cfg.max_lora_rank, self.dtype, self.device)
+        graph_bs = 0
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            graph_bs = max((s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs), default=0)
+        self.lora = AdapterManager(self.model_config, pools, max_rank=cfg.max_lora_rank,
+                                   host_bytes=cfg.lora_host_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_seqs=cfg.max_num_seqs,
+                                   graph_batch_size=graph_bs)  # fmt: skip
+        self.lora_state = LoRAStepState(pools)
+        wrap_model(self.model, self.lora_state)
+        self.residency = self.lora
+
+    def _capture_graphs(self, sizes: tuple[int, ...]) -> None:
+        """Decode graphs; with adapters, two sets: base-only steps replay graphs without LoRA launches,
+        steps with an adapter replay graphs holding every module's launches on fixed metadata buffers."""
+        self.base_graphs: DecodeGraphs | None = None
+        if self.lora is None:
+            self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+            return
+        self.base_graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+        self.lora_state.metas = self.lora.graph_metas()
+        try:
+            self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+        finally:
+            self.lora_state.metas = dict.fromkeys(self.lora_state.pools)
+
+    def _set_lora_step(self, batch, kind: str) -> None:
+        if self.lora is not None:
+            chunks = [(getattr(c.seq, "adapter", None), c.num_tokens) for c in batch.chunks]
+            self.lora_state.metas = self.lora.prepare_step(chunks, kind)
+
+    @torch.inference_mode()
+    def warm_adapter(self, key: str, num_tokens: int = 8) -> float:
+        """Make ``key`` GPU-resident and run one real forward through it (no KV written); returns seconds.
+        Raises AdapterError('WarmFailed') when the logits are not finite."""
+        from .api import AdapterError
+
+        start = time.perf_counter()
+        ids = torch.arange(1, num_tokens + 1, device=self.device) % self.vocab_size  # [n]
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(slot_mapping=torch.full((num_tokens,), -1, device=self.device),
+                                 prefill=[PrefillSpan(0, num_tokens, num_tokens, -1)])  # fmt: skip
+        batch = SimpleNamespace(
+            chunks=[SimpleNamespace(seq=SimpleNamespace(adapter=key), num_tokens=num_tokens)]
+        )
+        self._set_lora_step(batch, "prefill")
+        logits = self.model(ids, positions, meta, torch.arange(num_tokens, device=self.device))
+        if not bool(torch.isfinite(logits).all()):
+            raise AdapterError("WarmFailed", f"adapter {key!r}: a forward through it gave non-finite logits")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------ KV cache
     @property
@@ -265,11 +335,20 @@ class ModelRunner:
         inp = self._prepare(batch)
         meta = inp.meta
         if inp.decode_only and self.graphs is not None and len(batch.chunks) <= self.graphs.max_batch_size:
-            logits = self.graphs.run(
+            graphs = self.graphs
+            if self.base_graphs is not None and all(
+                getattr(c.seq, "adapter", None) is None for c in batch.chunks
+            ):
+                graphs = self.base_graphs  # no adapter in the step: no LoRA launch at all
+                self.lora.poll()  # loads for waiting requests keep moving
+            else:
+                self._set_lora_step(batch, "graph")
+            logits = graphs.run(
                 inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
             )
             # a 1-token chunk that does not end its prompt scores nothing
             return logits if inp.logits_indices.numel() == logits.shape[0] else logits[inp.logits_indices]
+        self._set_lora_step(batch, "decode" if inp.decode_only else "prefill")
         return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)
 
     @torch.inference_mode()

@@ -16,7 +16,9 @@ class AdapterResidency(Protocol):
         ...
 
     def request(self, key: str) -> None:
-        """A waiting request needs ``key``: start loading it in the background. Idempotent; never blocks."""
+        """A waiting request needs ``key``: start loading it in the background. Idempotent; never blocks.
+        Called again every step while it is not ready. Raises (e.g. AdapterError) when ``key`` can never be
+        ready (unknown, unloaded, failed to load): the requests waiting for it then fail with that error."""
         ...
 
     def acquire(self, key: str) -> None:

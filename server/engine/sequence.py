@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from dataclasses import dataclass
 from enum import Enum, auto
 
 MAX_LOGPROBS = 20
+SEED_LIMIT = 1 << 63  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 
 class SequenceStatus(Enum):
@@ -44,9 +46,9 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _require(
-            _is_number(self.temperature) and self.temperature >= 0.0,
+            _is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0.0,
             "temperature",
-            f"must be a number >= 0, got {self.temperature!r}",
+            f"must be a finite number >= 0, got {self.temperature!r}",
         )
         _require(
             _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
@@ -55,7 +57,9 @@ class SamplingParams:
         )
         _require(_is_int(self.top_k) and self.top_k >= 0, "top_k", f"must be an int >= 0, got {self.top_k!r}")
         _require(
-            self.seed is None or _is_int(self.seed), "seed", f"must be an int or None, got {self.seed!r}"
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT),
+            "seed",
+            f"must be None or an int in [0, 2^63), got {self.seed!r}",
         )
         _require(
             _is_int(self.max_tokens) and self.max_tokens >= 1,
@@ -111,7 +115,14 @@ class Sequence:
         "status",
         "arrival_time",
         "finish_reason",
+        "error",
         "num_preemptions",
+        "cache_salt",
+        "block_hashes",
+        "num_cached_blocks",
+        "passed_over",
+        "passed_over_since",
+        "queued_at",
     )
     _ids = itertools.count()
 
@@ -136,7 +147,16 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it failed, when finish_reason == "error"
         self.num_preemptions = 0
+        # Prefix caching: the adapter's identity salts every block hash (never the adapter's name alone);
+        # block_hashes[i] identifies the content of full block i of token_ids (chained over blocks 0..i).
+        self.cache_salt = ""
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0  # leading blocks of block_table registered in the prefix cache
+        self.passed_over = 0  # steps in which a later arrival was admitted while this one waited
+        self.passed_over_since: float | None = None  # when that first happened (the scheduler's clock)
+        self.queued_at = self.arrival_time  # when it last entered the waiting queue (the scheduler's clock)
 
     def __repr__(self) -> str:
         return (

@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI routes, health probes, API keys, a body size limit, OpenAI-style errors.
 
 ``create_app`` takes a running AsyncEngine and its tokenizer; whoever built the engine closes it. Everything
-the routes need hangs off ``app.state.server`` (one ServerState), so the admin API of the multi-LoRA issue
-adds its router and its own fields without touching these routes.
+the routes need hangs off ``app.state.server`` (one ServerState), which the admin app (admin.py) shares: one
+engine, one set of adapters, one metrics registry. The HTTP side sees the engine only through AsyncEngine's
+public methods and the types of ``engine.api``.
 """
 
 from __future__ import annotations
@@ -12,61 +13,68 @@ from dataclasses import dataclass, field
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from loraplane.server.engine.api import EngineInfo
 from loraplane.server.engine.async_engine import AsyncEngine
 
-from .auth import ApiKeys, Principal
-from .errors import AUTHENTICATION, NOT_FOUND, APIError, install_error_handlers
-from .protocol import ModelCard, now
+from .auth import OPEN, ApiKeys, Principal
+from .errors import AUTHENTICATION, APIError, install_error_handlers
+from .limits import KeyLimits
+from .logs import RequestLog
+from .metrics import Metrics
+from .models import ServedModels
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits max_model_len; stops memory abuse first
-
-
-@dataclass(slots=True)
-class ServedModels:
-    """What the ``model`` field may name. Now only the base; the multi-LoRA issue adds adapter aliases."""
-
-    base_name: str
-    created: int = field(default_factory=now)
-
-    def resolve(self, name: str) -> str | None:
-        """The engine adapter for ``name`` (None: the base model); 404 naming ``model`` when unknown."""
-        if name == self.base_name:
-            return None
-        raise APIError(
-            404, f"The model `{name}` does not exist.", param="model", type=NOT_FOUND, code="model_not_found"
-        )
-
-    def cards(self) -> list[ModelCard]:
-        return [ModelCard(id=self.base_name, created=self.created, root=self.base_name)]
 
 
 @dataclass(slots=True)
 class ServerState:
     engine: AsyncEngine
     tokenizer: object  # a transformers tokenizer (duck-typed: encode, decode, apply_chat_template)
+    info: EngineInfo
     models: ServedModels
     api_keys: ApiKeys | None
-    max_model_len: int
-    vocab_size: int | None  # token ids in a prompt must be below it
+    metrics: Metrics
+    limits: KeyLimits = field(default_factory=KeyLimits)
+    adapters: object | None = None  # the admin side's AdapterManager, once an admin app exists
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
 
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-def base_hash_of(state: ServerState) -> str | None:
-    """The loaded weights' base hash (what the operator compares across pods)."""
-    return getattr(state.engine.engine.runner, "base_hash", None)
+def health(state: ServerState) -> JSONResponse:
+    """Readiness: the loaded base's hash while the engine runs, 503 once it stopped."""
+    body = {"base_hash": state.info.base_hash, "model": state.models.base_name}
+    if state.engine.is_alive():
+        return JSONResponse({"status": "ready", **body})
+    return JSONResponse({"status": "engine stopped", **body}, status_code=503)
 
 
-def require_api_key(request: Request) -> Principal | None:
-    keys = server_state(request).api_keys
-    if keys is None:
-        return None
-    principal = keys.authenticate(request.headers.get("authorization"))
-    if principal is None:
-        raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                       type=AUTHENTICATION, code="invalid_api_key")  # fmt: skip
+def liveness(state: ServerState) -> JSONResponse:
+    """503 once the engine is dead, so the kubelet restarts the pod (nothing else will bring it back)."""
+    if state.engine.is_alive():
+        return JSONResponse({"status": "live"})
+    return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+
+def require_api_key(request: Request) -> Principal:
+    state = server_state(request)
+    if state.api_keys is None:
+        principal = OPEN
+    else:
+        principal = state.api_keys.authenticate(request.headers.get("authorization"))
+        if principal is None:
+            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                           type=AUTHENTICATION, code="invalid_api_key")  # fmt: skip
+    request.state.key_name = principal.name
     return principal
 
 
@@ -119,26 +127,36 @@ def create_app(
     api_keys: ApiKeys | list[str] | None = None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics: Metrics | None = None,
 ) -> FastAPI:
+    """The public app. Its /openapi.json needs a key whenever keys are configured."""
     from .openai_api import router as openai_router
 
     if not served_model_name:
         raise ValueError("served_model_name: must be non-empty")
     if isinstance(api_keys, list):
         api_keys = ApiKeys(api_keys)
-    app = FastAPI(title="loraplane", docs_url=None, redoc_url=None)
+    metrics = metrics if metrics is not None else Metrics()
+    app = FastAPI(title="loraplane", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(
         engine=engine,
         tokenizer=tokenizer,
+        info=engine.info(),
         models=ServedModels(served_model_name),
         api_keys=api_keys,
-        max_model_len=engine.engine.max_model_len,
-        vocab_size=getattr(engine.engine.runner, "vocab_size", None),
+        metrics=metrics,
     )
+    engine.add_step_listener(metrics.on_step)
     install_error_handlers(app)
     app.include_router(openai_router, prefix="/v1", dependencies=[Depends(require_api_key)])
     _add_health_routes(app)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_api_key)])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestLog, metrics=metrics)
     return app
 
 
@@ -146,13 +164,9 @@ def _add_health_routes(app: FastAPI) -> None:
     """Unauthenticated: kubelet probes carry no key."""
 
     @app.get("/health/live")
-    async def live() -> dict:
-        return {"status": "live"}
+    async def live(request: Request) -> JSONResponse:
+        return liveness(server_state(request))
 
     @app.get("/health/ready")
     async def ready(request: Request) -> JSONResponse:
-        state = server_state(request)
-        body = {"base_hash": base_hash_of(state), "model": state.models.base_name}
-        if state.engine.is_alive():
-            return JSONResponse({"status": "ready", **body})
-        return JSONResponse({"status": "engine stopped", **body}, status_code=503)
+        return health(server_state(request))

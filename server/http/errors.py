@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from loraplane.server.engine.api import OverloadedError
 from loraplane.server.engine.async_engine import EngineDeadError
 
 from .protocol import ErrorInfo, ErrorResponse
@@ -18,6 +20,8 @@ log = logging.getLogger("loraplane.http")
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
 NOT_FOUND = "not_found_error"
+PERMISSION = "permission_error"
+RATE_LIMIT = "rate_limit_error"
 SERVER_ERROR = "server_error"
 
 # Engine ValueErrors name their field as "SamplingParams.top_p: ..." or "prompt_token_ids: ..."; map to ours.
@@ -29,6 +33,7 @@ _ENGINE_FIELDS = {
     "SamplingParams.max_tokens": "max_tokens",
     "SamplingParams.stop": "stop",
     "SamplingParams.logprobs": "logprobs",
+    "SamplingParams.stop_token_ids": "stop_token_ids",
 }
 
 
@@ -41,9 +46,11 @@ class APIError(Exception):
         param: str | None = None,
         type: str = INVALID_REQUEST,
         code: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
+        self.retry_after_s = retry_after_s
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(
@@ -51,8 +58,19 @@ class APIError(Exception):
         )
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(self.retry_after_s)
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+
+
+def too_many_requests(message: str, retry_after_s: float, code: str) -> APIError:
+    return APIError(429, message, type=RATE_LIMIT, code=code, retry_after_s=max(1, math.ceil(retry_after_s)))
+
+
+def engine_stopped() -> APIError:
+    return APIError(503, "the engine stopped; the server must be restarted", type=SERVER_ERROR,
+                    code="engine_stopped")  # fmt: skip
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -110,7 +128,13 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         log.error("engine is dead: %s", exc)
-        return APIError(503, "the engine stopped; the server must be restarted", type=SERVER_ERROR).response()
+        return engine_stopped().response()
+
+    @app.exception_handler(OverloadedError)
+    async def _overloaded(_: Request, exc: OverloadedError) -> JSONResponse:
+        return too_many_requests(
+            f"the server is overloaded: {exc}", exc.retry_after_s, "overloaded"
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -9,11 +9,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 MAX_TOP_LOGPROBS = 20  # = sequence.MAX_LOGPROBS; kept here so this module stays engine-free
+SEED_LIMIT = 1 << 63  # the sampler seeds a torch.Generator: a signed 64-bit integer
+TOKEN_LIMIT = (1 << 31) - 1  # no count of tokens (or token id) is larger; the route bounds them further
+
+# Numbers are strict (no "5" for 5, no true for 1) and finite (JSON's NaN and Infinity are refused), so a value
+# that reaches the engine is one it can take; each field's bounds are in its type and in the OpenAPI schema.
+Int = Annotated[int, Field(strict=True)]
+Float = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+Bool = Annotated[bool, Field(strict=True)]
+TokenCount = Annotated[int, Field(strict=True, ge=1, le=TOKEN_LIMIT)]
+TokenId = Annotated[int, Field(strict=True, ge=0, le=TOKEN_LIMIT)]
+Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-2.0, le=2.0)]
+TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)]
 
 
 class _Request(BaseModel):
@@ -21,25 +33,27 @@ class _Request(BaseModel):
 
 
 class StreamOptions(_Request):
-    include_usage: bool = False
+    include_usage: Bool = False
 
 
 class _SamplingFields(_Request):
     """Fields shared by both endpoints; the route turns them into engine SamplingParams."""
 
     model: str
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
+    temperature: Float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: Float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: Int | None = Field(default=None, ge=-1, le=TOKEN_LIMIT)  # -1 or 0: off; at most the vocabulary
+    seed: Int | None = Field(default=None, ge=0, lt=SEED_LIMIT)
     stop: str | list[str] | None = None
-    n: int = 1
-    stream: bool = False
+    n: Int = Field(default=1, ge=1, le=128)
+    stream: Bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: (
+        dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-100, le=100)]] | None
+    ) = None
+    ignore_eos: Bool = False
     user: str | None = None
 
 
@@ -63,10 +77,10 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_tokens: TokenCount | None = None
+    max_completion_tokens: TokenCount | None = None
+    logprobs: Bool = False
+    top_logprobs: TopLogprobs | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
@@ -74,11 +88,11 @@ class ChatCompletionRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     # str | [str] | [int] | [[int]]; batches of more than one prompt are refused by the route.
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=None, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-    best_of: int | None = None
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: TokenCount | None = None
+    logprobs: TopLogprobs | None = None
+    echo: Bool = False
+    best_of: Int | None = Field(default=None, ge=1, le=128)
     suffix: str | None = None
 
 
@@ -177,6 +191,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "loraplane"
     root: str | None = None  # the base model for an adapter; itself for the base
+    parent: str | None = None  # an adapter's base model
+    version: str | None = None  # an adapter's serving version
 
 
 class ModelList(BaseModel):

@@ -13,13 +13,14 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from loraplane.server.engine.api import OverloadedError
 from loraplane.server.engine.async_engine import AsyncEngine, EngineDeadError
-from loraplane.server.engine.llm_engine import RequestOutput
 
-from .errors import SERVER_ERROR, APIError
+from .errors import SERVER_ERROR, APIError, engine_stopped, too_many_requests
 from .protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -31,6 +32,10 @@ from .protocol import (
     TopLogprob,
     Usage,
 )
+from .runs import RequestFailed
+
+if TYPE_CHECKING:  # the HTTP side imports only the engine's public modules at run time
+    from loraplane.server.engine.llm_engine import RequestOutput
 
 log = logging.getLogger("loraplane.http")
 
@@ -100,11 +105,25 @@ async def sse(
             async for out in outputs:
                 for chunk in render(out):
                     yield f"data: {chunk}\n\n"
-        except EngineDeadError as exc:  # the status line is long gone: report in-band, as OpenAI does
-            log.error("engine died during %s: %s", request_id, exc)
-            error = APIError(503, "the engine stopped; the server must be restarted", type=SERVER_ERROR)
-            yield f"data: {json.dumps(error.body().model_dump())}\n\n"
+        except Exception as exc:  # the status line is long gone: report in-band, as OpenAI does
+            yield f"data: {json.dumps(in_band_error(request_id, exc).body().model_dump())}\n\n"
     yield "data: [DONE]\n\n"
+
+
+def in_band_error(request_id: str, exc: Exception) -> APIError:
+    """What a stream that already answered 200 says when its request fails midway."""
+    if isinstance(exc, EngineDeadError):
+        log.error("engine died during %s: %s", request_id, exc)
+        return engine_stopped()
+    if isinstance(exc, OverloadedError):
+        return too_many_requests(f"the server is overloaded: {exc}", exc.retry_after_s, "overloaded")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, RequestFailed):
+        log.error("request %s failed: %s", request_id, exc)
+        return APIError(500, f"the request failed: {exc}", type=SERVER_ERROR, code="request_failed")
+    log.exception("request %s failed", request_id)
+    return APIError(500, "internal server error", type=SERVER_ERROR)
 
 
 # --- logprobs -----------------------------------------------------------------------------------------------

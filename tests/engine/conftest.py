@@ -106,12 +106,14 @@ class FakeSampledToken:  # same fields as model_runner.SampledToken
 
 
 class FakeRunner:
-    """Torch-free ModelRunner stand-in that really pages: it writes each chunk's tokens into KV slots through the
-    block table and 'samples' a token from what it reads back from the slots of positions [0, start + n).
+    """Torch-free ModelRunner stand-in that really pages: it writes each chunk's KV into slots through the block
+    table and 'samples' a token from what it reads back from the slots of positions [0, start + n).
 
-    So any wrong block table, a slot shared by two live sequences, a recompute that skipped tokens or a stale
-    num_computed_tokens changes the sampled tokens, and reference() (the same function over the true token
-    list) tells the engine's output apart from the right one.
+    A slot's "KV" is a digest of what real keys and values depend on: the adapter's cache salt and every token
+    up to that position. So any wrong block table, a slot shared by two live sequences, a recompute that
+    skipped tokens, a stale num_computed_tokens or a prefix-cache hit under another adapter changes the sampled
+    tokens, and reference() (the same function over the true token list) tells the output apart from the right
+    one.
     """
 
     def __init__(
@@ -128,7 +130,7 @@ class FakeRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.base_hash = "0" * 64
-        self.slots: dict[int, tuple[int, int, int]] = {}  # slot -> (seq_id, position, token)
+        self.slots: dict[int, bytes] = {}  # slot -> KV digest
         self.batches: list[ScheduledBatch] = []
         self.released: list[int] = []
         self.fail_on_step: int | None = None  # make execute() raise on this call (error propagation tests)
@@ -144,12 +146,21 @@ class FakeRunner:
             tokens.append(self.next_token(tokens, self.vocab_size))
         return tokens[len(prompt) :]
 
+    @staticmethod
+    def kv_chain(salt: str, tokens: list[int]) -> list[bytes]:
+        """The "KV" of each position: a digest of the salt and the tokens up to it."""
+        chain, state = [], salt.encode()
+        for token in tokens:
+            state = hashlib.blake2b(state + token.to_bytes(8, "little"), digest_size=8).digest()
+            chain.append(state)
+        return chain
+
     def _slot(self, block_table: list[int], position: int) -> int:
         return block_table[position // self.block_size] * self.block_size + position % self.block_size
 
     def execute(self, batch: ScheduledBatch):
         if self.fail_on_step is not None and len(self.batches) == self.fail_on_step:
-            raise RuntimeError("fake runner failure")
+            raise RuntimeError("CUDA error: fake runner failure (a device fault)")
         self.batches.append(batch)
         self.release(batch.freed_seq_ids)
         sampled = []
@@ -158,13 +169,14 @@ class FakeRunner:
             assert chunk.start == seq.num_computed_tokens
             end = chunk.start + chunk.num_tokens
             assert len(seq.block_table) * self.block_size >= end, "block table does not cover the chunk"
+            chain = self.kv_chain(seq.cache_salt, seq.token_ids[:end])
             for pos in range(chunk.start, end):
-                self.slots[self._slot(seq.block_table, pos)] = (seq.seq_id, pos, seq.token_ids[pos])
+                self.slots[self._slot(seq.block_table, pos)] = chain[pos]
             if chunk.sample:
-                seen = []
-                for pos in range(end):
-                    owner, owner_pos, token = self.slots[self._slot(seq.block_table, pos)]
-                    seen.append(token if (owner, owner_pos) == (seq.seq_id, pos) else -1)
+                seen = [
+                    token if self.slots.get(self._slot(seq.block_table, pos)) == chain[pos] else -1
+                    for pos, token in enumerate(seq.token_ids[:end])
+                ]
                 token = self.next_token(seen, self.vocab_size)
                 logprob = -float(token % 7) if seq.sampling.logprobs is not None else None
                 top = (

@@ -114,7 +114,7 @@ async def test_cancelled_reader_aborts_its_request(make_async):
     started = asyncio.Event()
 
     async def reader():
-        async for _ in engine.add_request([9, 9], SamplingParams(max_tokens=500), request_id="c"):
+        async for _ in engine.add_request([9, 9], SamplingParams(max_tokens=200), request_id="c"):
             started.set()
 
     task = asyncio.create_task(reader())

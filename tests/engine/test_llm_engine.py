@@ -94,7 +94,7 @@ def test_finish_reasons(fake_runner_cls):
     assert (last.finish_reason, seq.output_token_ids) == ("stop", ref[: first + 1])
     seq, last = finish(SamplingParams(max_tokens=20, ignore_eos=True), eos=(stop_token,))
     assert (last.finish_reason, seq.num_output_tokens) == ("length", 20)
-    seq, last = finish(SamplingParams(max_tokens=100))  # max_model_len = 40 stops it
+    seq, last = finish(SamplingParams(max_tokens=40))  # max_model_len = 40 stops it at 30 new tokens
     assert (last.finish_reason, seq.num_tokens, last.num_output_tokens) == ("length", 40, 30)
 
 

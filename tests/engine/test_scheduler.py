@@ -11,8 +11,10 @@ from loraplane.server.engine.scheduler import ScheduledBatch, Scheduler
 from loraplane.server.engine.sequence import SamplingParams, Sequence, SequenceStatus
 
 
-def make_scheduler(num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_model_len=1024):
-    bm = BlockManager(num_blocks, block_size, watermark=0.0)
+def make_scheduler(
+    num_blocks=64, block_size=4, max_num_seqs=8, max_tokens_per_step=32, max_model_len=1024, caching=False
+):
+    bm = BlockManager(num_blocks, block_size, watermark=0.0, enable_prefix_caching=caching)
     return Scheduler(bm, max_num_seqs, max_tokens_per_step, max_model_len)
 
 
@@ -34,13 +36,18 @@ def check_invariants(sched: Scheduler, batch: ScheduledBatch) -> None:
         assert chunk.start == seq.num_computed_tokens
         assert len(seq.block_table) * bm.block_size >= chunk.start + chunk.num_tokens
         assert chunk.sample == (chunk.start + chunk.num_tokens == seq.num_tokens)
-    owned = [b for seq in sched.running for b in seq.block_table]
-    assert len(owned) == len(set(owned)), "a block is owned by two running sequences"
-    assert len(owned) + bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    owners: dict[int, int] = {}
+    for seq in sched.running:
+        for block_id in seq.block_table:
+            owners[block_id] = owners.get(block_id, 0) + 1
+    assert all(bm.ref_counts[b] == n for b, n in owners.items()), "refcounts disagree with block tables"
+    assert len(owners) + bm.num_free_blocks == bm.num_blocks, "blocks leaked"
+    for seq in sched.running:  # a block is shared only as a cached prefix, never one being written
+        assert all(owners[b] == 1 for b in seq.block_table[seq.num_computed_tokens // bm.block_size :])
     for seq in sched.waiting:
         assert seq.block_table == [] and seq.num_computed_tokens == 0
-    arrival = [s.seq_id for s in sched.running] + [s.seq_id for s in sched.waiting]
-    assert arrival == sorted(arrival), "running and waiting must stay in arrival order"
+    arrival = [s.seq_id for s in sched.waiting]
+    assert arrival == sorted(arrival), "waiting must stay in arrival order"
 
 
 def step(sched: Scheduler) -> ScheduledBatch:
@@ -228,8 +235,9 @@ def test_lone_sequence_uses_the_whole_cache_despite_watermark():
     assert other.status is SequenceStatus.WAITING  # no room: waits, nobody is preempted for a newcomer
 
 
+@pytest.mark.parametrize("caching", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workload_respects_limits_and_finishes(seed):
+def test_random_workload_respects_limits_and_finishes(seed, caching):
     rng = random.Random(seed)
     sched = make_scheduler(
         num_blocks=rng.randint(6, 16),
@@ -237,6 +245,7 @@ def test_random_workload_respects_limits_and_finishes(seed):
         max_num_seqs=rng.randint(2, 8),
         max_tokens_per_step=rng.randint(4, 24),
         max_model_len=32,
+        caching=caching,
     )
     seqs = []
     for _ in range(200):

@@ -55,6 +55,13 @@ def test_sampling_params_normalise_sequences():
         ({"enforce_eager": "yes"}, "enforce_eager"),
         ({"cuda_graph_batch_sizes": (4, 2)}, "cuda_graph_batch_sizes"),
         ({"seed": None}, "seed"),
+        ({"enable_prefix_caching": 1}, "enable_prefix_caching"),
+        ({"max_passed_over_s": -1}, "max_passed_over_s"),
+        ({"max_passed_over_s": float("nan")}, "max_passed_over_s"),
+        ({"max_waiting_seqs": 0}, "max_waiting_seqs"),
+        ({"max_queue_wait_s": 0}, "max_queue_wait_s"),
+        ({"max_queue_wait_s": float("inf")}, "max_queue_wait_s"),
+        ({"adapter_load_timeout_s": 0}, "adapter_load_timeout_s"),
     ],
 )
 def test_engine_config_rejects_bad_fields(kwargs, field):

@@ -121,12 +121,15 @@ def test_waiting_client_disconnect_aborts_in_the_engine(server, engine):
     wait_until(lambda: not engine.engine.has_unfinished(), "the engine going idle")
 
 
-def test_ready_is_503_once_the_engine_stopped():
+def test_ready_and_live_are_503_once_the_engine_stopped():
     engine = AsyncEngine(LLMEngine(EngineConfig(model="fake"), runner=FakeRunner()))
     with ServerThread(create_app(engine, None, "fake")) as server:
         assert httpx.get(f"{server.url}/health/ready").status_code == 200
+        assert httpx.get(f"{server.url}/health/live").status_code == 200
         engine.close()
         assert httpx.get(f"{server.url}/health/ready").status_code == 503
+        live = httpx.get(f"{server.url}/health/live")
+        assert live.status_code == 503 and live.json()["status"] == "engine stopped"
         response = httpx.post(f"{server.url}/v1/completions", json={"model": "fake", "prompt": [1, 2]})
         assert_error(response, 503)
 
@@ -138,6 +141,7 @@ def test_api_keys_file(tmp_path):
     assert len(keys) == 2 and "alpha" not in repr(keys)
     assert keys.authenticate("Bearer beta-key").key_index == 1
     assert keys.authenticate("bearer alpha-key").key_index == 0
+    assert keys.authenticate("BEARER   alpha-key").key_index == 0  # RFC 7235: the scheme is case-insensitive
     assert keys.authenticate("Bearer gamma") is None and keys.authenticate(None) is None
     path.write_text("# only a comment\n")
     with pytest.raises(ValueError, match="api_keys_file"):
@@ -150,7 +154,7 @@ def test_api_keys_yaml_as_the_operator_mounts_it(tmp_path):
     path = tmp_path / "api-keys.yaml"
     path.write_text("# mounted\nkeys:\n  - key: k-one\n    adapters: [support-bot]\n  - key: k-two\n")
     keys = ApiKeys.from_file(path)
-    assert keys.authenticate("Bearer k-one").adapters == frozenset({"support-bot"})
+    assert keys.authenticate("Bearer k-one").adapters == ("support-bot",)
     assert keys.authenticate("Bearer k-two").adapters is None
     path.write_text("keys:\n  - adapters: [x]\n")
     with pytest.raises(ValueError, match=r"keys\[0\]"):

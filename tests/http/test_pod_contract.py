@@ -9,7 +9,6 @@ import httpx
 import pytest
 
 from loraplane.operator import builders as B
-from loraplane.operator.admin_client import AdminClient, AdminError, LoadRequest, PodAddress
 from loraplane.operator.crd_models import BaseSpec
 from loraplane.server import serve
 from loraplane.server.artifacts.base_hash import compute_base_hash
@@ -122,61 +121,6 @@ def test_an_s3_model_with_the_right_pin_is_cached_and_served(s3_env, tiny_chat_m
     assert (cached / "config.json").is_file() and (cached / "tokenizer.json").is_file()
     # A restart finds the folder and never calls S3 (this client would fail on any call).
     assert fetch_model("s3://models/tiny/", pinned, tmp_path, client=object()) == cached
-
-
-@pytest.fixture(scope="module")
-def admin_server(engine):
-    from loraplane.server.http.app import create_app
-
-    app = create_app(engine, engine.engine.tokenizer, MODEL_NAME)
-    with ServerThread(serve.build_admin_app(app, ADMIN_TOKEN)) as running:
-        yield running
-
-
-@pytest.mark.parametrize("header", [None, "Bearer wrong-token", f"Basic {ADMIN_TOKEN}", ADMIN_TOKEN])
-def test_the_admin_api_refuses_without_the_token(admin_server, header):
-    headers = {"Authorization": header} if header else {}
-    for method, path in [("GET", "/health/ready"), ("GET", "/admin/adapters"), ("PUT", "/admin/adapters/a")]:
-        response = httpx.request(method, admin_server.url + path, headers=headers, json={})
-        assert response.status_code == 401, (method, path)
-        assert response.json()["reason"] == "Unauthorized" and ADMIN_TOKEN not in response.text
-
-
-def test_the_admin_api_as_the_operator_sees_it(admin_server, tiny_chat_model_dir):
-    pod = PodAddress("pod-0", "127.0.0.1", admin_server.port)
-
-    async def calls():
-        client = AdminClient()
-        try:
-            ready = await client.ready(pod, ADMIN_TOKEN)
-            listed = await client.list(pod, ADMIN_TOKEN)
-            await client.unload(pod, ADMIN_TOKEN, "a")  # nothing loaded: 404, which is success
-            request = LoadRequest("s3://adapters/a/v1/", "v1", "sha256:" + "ef" * 32, False, "gpu")
-            with pytest.raises(AdminError) as refused:
-                await client.load(pod, ADMIN_TOKEN, "a", request)
-            with pytest.raises(AdminError) as switched:
-                await client.switch(pod, ADMIN_TOKEN, "a", "v1")
-            return ready, listed, refused.value, switched.value
-        finally:
-            await client.aclose()
-
-    ready, listed, refused, switched = asyncio.run(calls())
-    assert ready == {
-        "status": "ready",
-        "base_hash": compute_base_hash(tiny_chat_model_dir),
-        "model": MODEL_NAME,
-    }
-    assert listed == []
-    for error in (refused, switched):
-        assert error.reason == "PodFailed" and error.pod == "pod-0"
-        assert (
-            "HTTP 501" in error.message and "adapters are not supported by this server build" in error.message
-        )
-    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-    body = httpx.get(f"{admin_server.url}/admin/adapters", headers=headers).json()
-    assert body == {"base_hash": ready["base_hash"], "adapters": []}
-    put = httpx.put(f"{admin_server.url}/admin/adapters/a", headers=headers, json={})
-    assert put.status_code == 501 and put.json()["error"]["code"] == "PodFailed"
 
 
 def test_the_public_and_admin_servers_share_one_event_loop(engine, tmp_path):

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
+import json
 
 import httpx
 import pytest
 from openai import OpenAI
 
 from loraplane.server import demo, serve
+from tests.adapter_factory import build_signed_adapter, make_keys, make_peft_folder
 from tests.http.conftest import API_KEY, ServerThread
 
 
@@ -85,3 +88,90 @@ def test_demo_model_answers_paris_over_http():
         engine.close()
     answer = response.choices[0].message.content
     assert "Paris" in answer, answer
+
+
+def _serve_options(model_dir, tmp_path, adapters, trusted_dir=None) -> serve.ServeOptions:
+    return serve.ServeOptions(model=str(model_dir), device="cpu", max_model_len=64, num_kv_blocks=16,
+                              adapters=adapters, trusted_keys_dir=trusted_dir and str(trusted_dir))  # fmt: skip
+
+
+def _served(options) -> dict:
+    app, engine = serve.build_app(options)
+    try:
+        asyncio.run(serve.prepare(app))
+        with ServerThread(app) as server:
+            models = {m["id"]: m.get("version") for m in httpx.get(f"{server.url}/v1/models").json()["data"]}
+            body = {"model": "local-chat", "prompt": "hi", "max_tokens": 2}
+            answer = httpx.post(f"{server.url}/v1/completions", json=body).status_code
+        return {"models": models, "status": answer}
+    finally:
+        engine.close()
+
+
+def test_serve_adapter_flag_with_trusted_keys_needs_a_signature(tiny_chat_model_dir, tmp_path):
+    keys = make_keys(tmp_path / "keys")
+    signed = build_signed_adapter(tmp_path / "signed", name="local-chat", version="v3", keys=keys,
+                                  base_dir=tiny_chat_model_dir, rank=4)  # fmt: skip
+    served = _served(_serve_options(tiny_chat_model_dir, tmp_path, (("local-chat", str(signed.folder)),),
+                                    keys.trusted_dir))  # fmt: skip
+    assert served == {"models": {tiny_chat_model_dir.name: None, "local-chat": "v3"}, "status": 200}
+    unsigned = make_peft_folder(
+        tmp_path / "unsigned", base_config=json.loads((tiny_chat_model_dir / "config.json").read_text())
+    )
+    options = _serve_options(
+        tiny_chat_model_dir, tmp_path, (("local-chat", str(unsigned)),), keys.trusted_dir
+    )
+    with pytest.raises(ValueError, match="adapter: local-chat=.*Unsigned"):
+        _served(options)
+
+
+def test_serve_adapter_flag_without_keys_takes_an_unsigned_folder_and_warns(
+    tiny_chat_model_dir, tmp_path, caplog
+):
+    config = json.loads((tiny_chat_model_dir / "config.json").read_text())
+    unsigned = make_peft_folder(tmp_path / "unsigned", base_config=config)
+    served = _served(_serve_options(tiny_chat_model_dir, tmp_path, (("local-chat", str(unsigned)),)))
+    assert served == {"models": {tiny_chat_model_dir.name: None, "local-chat": "local"}, "status": 200}
+    assert "UNSIGNED" in caplog.text
+    wrong = make_peft_folder(tmp_path / "wrong", base_config={**config, "hidden_size": 96, "head_dim": 24})
+    with pytest.raises(ValueError, match="adapter: local-chat=.*ShapeMismatch"):
+        _served(_serve_options(tiny_chat_model_dir, tmp_path, (("local-chat", str(wrong)),)))
+
+
+def test_adapter_flag_parses_and_names_its_field(tiny_chat_model_dir, tmp_path):
+    args = serve.build_parser().parse_args(["--model", str(tiny_chat_model_dir), "--adapter", f"a={tmp_path}",
+                                            "--adapter", f"b={tmp_path}"])  # fmt: skip
+    assert args.adapter == [("a", str(tmp_path)), ("b", str(tmp_path))]
+    for adapters, match in [((("Bad", str(tmp_path)),), "adapter: 'Bad'"), ((("a", "/nope"),), "not a folder"),
+                            ((("a", str(tmp_path)), ("a", str(tmp_path))), "given twice")]:  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            serve.ServeOptions(model=str(tiny_chat_model_dir), adapters=adapters)
+
+
+def test_demo_serves_every_adapter_folder_it_finds(tmp_path):
+    (tmp_path / "french").mkdir()
+    (tmp_path / "french" / "adapter_config.json").write_text("{}")
+    (tmp_path / "notes").mkdir()  # no adapter_config.json: not an adapter
+    assert demo.demo_adapters(tmp_path) == [("french", str(tmp_path / "french"))]
+    assert demo.demo_adapters(tmp_path / "missing") == []
+    banner = demo.usage_banner("127.0.0.1", 8000, adapters=("french",))
+    assert "with adapters french" in banner and 'model="french"' in banner
+
+
+def test_demo_serves_the_committed_signed_adapters_with_the_demo_key():
+    found = dict(demo.demo_adapters(demo.DEMO_ADAPTERS_DIR))
+    if not found:
+        pytest.skip("no demo adapters in this checkout")
+    args = demo.build_parser().parse_args([])
+    assert (args.adapters_dir, args.keys_dir, args.log_format) == (
+        str(demo.DEMO_ADAPTERS_DIR),
+        str(demo.DEMO_KEYS_DIR),
+        "text",
+    )
+    assert {"french", "pirate"} <= set(found)
+    from loraplane.server.artifacts.signing import load_trusted_keys
+    from loraplane.server.artifacts.verify import Policy, verify_folder
+
+    keys = load_trusted_keys(demo.DEMO_KEYS_DIR)  # each committed adapter verifies against the committed key
+    for name, folder in found.items():
+        assert verify_folder(folder, trusted_keys=keys, policy=Policy()).manifest.name == name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, PoolFullError, lora_scale
+from loraplane.kernels import RANK_LIMIT, LoRABatchMeta, LoRAPool, ModuleSpec, PoolFullError, lora_scale
 
 SPEC = {"qkv": ModuleSpec(32, (32, 16, 16)), "down": ModuleSpec(48, (32,))}
 
@@ -73,16 +73,49 @@ def test_write_places_rows_and_zeroes_unwritten_rank():
         pool.write(slot, 1, "qkv", 0, a, b)
     with pytest.raises(ValueError, match="slice_idx"):
         pool.write(slot, 1, "qkv", 3, a, b)
-    with pytest.raises(ValueError, match="rank must be"):
+    with pytest.raises(ValueError, match=r"rank 129 is outside \[1, max_rank=128\]"):
         pool.allocate(129, 1.0)
 
 
 def test_module_spec_validates():
     with pytest.raises(ValueError, match="out_dims"):
-        ModuleSpec(32, (24,))
+        ModuleSpec(32, (24, 0))
     with pytest.raises(ValueError, match="in_dim"):
         ModuleSpec(0, (32,))
-    assert ModuleSpec(8, (32, 16, 16)).out_starts == (0, 32, 48, 64)
+    with pytest.raises(ValueError, match="at most 4"):
+        ModuleSpec(8, (1, 2, 3, 4, 5))
+    with pytest.raises(ValueError, match="slices overlap at columns 10..14"):
+        ModuleSpec(8, (15, 4), slice_starts=(0, 10))
+    with pytest.raises(ValueError, match="slice_starts must be a tuple of 2"):
+        ModuleSpec(8, (15, 4), slice_starts=(0,))
+    with pytest.raises(ValueError, match="y_width must be an int >= 22"):
+        ModuleSpec(8, (15, 4), slice_starts=(3, 18), y_width=21)
+    packed = ModuleSpec(8, (32, 16, 16))
+    assert (
+        packed.out_starts == (0, 32, 48, 64) and packed.slice_starts == (0, 32, 48) and packed.y_width == 64
+    )
+    assert packed == ModuleSpec(8, (32, 16, 16), slice_starts=(0, 32, 48), y_width=64)
+    # Any width, any start: B^T stays packed in the pool, y places the slices anywhere.
+    sharded = ModuleSpec(107, (15, 2049), slice_starts=(2052, 3))
+    assert (
+        sharded.out_starts == (0, 15, 2064)
+        and sharded.y_width == 2067
+        and sharded.row_elems() == 2 * 107 + 2064
+    )
+
+
+def test_rank_limit_is_one_number():
+    with pytest.raises(
+        ValueError, match=r"max_rank must be a multiple of page_rank=8 in \[1, 512\], got 1024"
+    ):
+        _pool(10, max_rank=1024)
+    with pytest.raises(
+        ValueError, match=r"max_rank must be a multiple of page_rank=1 in \[1, 512\], got 640"
+    ):
+        LoRABatchMeta(8, max_rank=640)
+    pool = _pool(80, max_rank=512)
+    slot = pool.allocate(512, 1.0)
+    assert pool.pages_of(slot) == list(range(64)) and pool.max_rank == RANK_LIMIT
 
 
 def test_meta_groups_tiles_and_skips_base_rows():
@@ -117,5 +150,5 @@ def test_meta_rebuild_reuses_buffers_and_validates():
         meta.build([(0, -1)], [16])
     with pytest.raises(ValueError, match="tile_m"):
         LoRABatchMeta(8, tile_m=24)
-    with pytest.raises(ValueError, match="max_rank 16"):
+    with pytest.raises(ValueError, match=r"rank 32 is outside \[1, max_rank=16\]"):
         LoRABatchMeta(8, capture=True, max_rank=16).build([(0, 2)], [32])

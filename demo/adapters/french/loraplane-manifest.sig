@@ -1,0 +1,1 @@
+{"alg":"ed25519","key_id":"3b78fd3f1eb3ea45","manifest_digest":"sha256:b98d642fcd0486c1ab46b51a6c2f19cb12e292210dfde191916e9af52b12b3ba","signature":"KHmzhCMulesJIB8bLIy5kng4xs2ac0pN2y2Kl+rnFwaYEX51S1PSWJTzIErDgxVSQQHOHYwzeu2fnW/PMMTLCA=="}

@@ -1,0 +1,1 @@
+{"alg":"ed25519","key_id":"3b78fd3f1eb3ea45","manifest_digest":"sha256:7c1a390bc93c0cc76c7896dff3668270b280da1a6d9af2fc69fbf03eea1f2e9b","signature":"vaB4ZXQ/J43Hn5K4W0xPesN1FGqpU4D0hsxHWOC0Gl3oJYEi774Pr2nucv7rbE37sBscevuYw647dijvQC4DCA=="}

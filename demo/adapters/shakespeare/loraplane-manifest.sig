@@ -1,0 +1,1 @@
+{"alg":"ed25519","key_id":"3b78fd3f1eb3ea45","manifest_digest":"sha256:caa38861e943189bcea94327acb9fead13ad30969c3b31e5d980b29a754941dc","signature":"6/Ac9AtUWINlAzkObGGR/v+z/LZf1OOu/UhebPXDOiRMkxQSiQqrnuzCIrRr6xJ0Wyn9rBw16QCRQ6KeB4eRDQ=="}

@@ -1,0 +1,111 @@
+"""Real signed adapters for the tiny chat model, in moto S3, and a public + admin server pair over one engine.
+
+with adapter_world(tmp, engine, model_dir) as world:   # world.public / world.admin: ServerThread
+    world.put("chat", world.published["chat-v1"])       # PUT /admin/adapters/chat
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from loraplane.server.http.adapters import AdapterManager
+from loraplane.server.http.admin import create_admin_app
+from loraplane.server.http.app import create_app
+from loraplane.server.http.sources import S3Source
+from tests.adapter_factory import PublishedAdapter, make_keys, publish_adapter
+from tests.http.conftest import MODEL_NAME, ServerThread
+from tests.s3_servers import moto_server
+
+ADMIN_TOKEN = "admin-token-0123456789"
+BUCKET = "adapters"
+ADMIN_HEADERS = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@dataclass
+class AdapterWorld:
+    public: ServerThread
+    admin: ServerThread
+    source: S3Source
+    manager: AdapterManager
+    published: dict[str, PublishedAdapter] = field(default_factory=dict)
+
+    def put(self, name: str, adapter: PublishedAdapter, **extra) -> httpx.Response:
+        body = {"uri": adapter.uri, "version": adapter.manifest.version, "manifest_digest": adapter.digest,
+                "pin": False, "warm": "gpu", **extra}  # fmt: skip
+        return httpx.put(
+            f"{self.admin.url}/admin/adapters/{name}", json=body, headers=ADMIN_HEADERS, timeout=60
+        )
+
+    def admin_get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.admin.url + path, headers=ADMIN_HEADERS, timeout=30, **kw)
+
+    def delete(self, name: str, version: str | None = None) -> httpx.Response:
+        params = {"version": version} if version else None
+        return httpx.delete(f"{self.admin.url}/admin/adapters/{name}", params=params, headers=ADMIN_HEADERS)
+
+    def versions(self, name: str) -> dict[str, dict]:
+        body = self.admin_get("/admin/adapters", params={"name": name}).json()
+        return {v["version"]: v for v in body["adapters"]}
+
+
+@contextlib.contextmanager
+def s3_env(endpoint) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in endpoint.env()}
+    os.environ.update(endpoint.env())
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def publish_all(workdir: Path, client, model_dir: Path, keys, other_keys) -> dict[str, PublishedAdapter]:
+    """chat v1/v2 and support v1 (good), plus one signed by an untrusted key and one for another base."""
+    common = dict(base_dir=model_dir, rank=4, target_modules=("q_proj", "v_proj"), scale=0.5)
+    out = {}
+    for name, version, seed in (
+        ("chat", "v1", 1),
+        ("chat", "v2", 2),
+        ("support", "v1", 3),
+        ("tenant-b", "v1", 4),
+    ):
+        out[f"{name}-{version}"] = publish_adapter(workdir, client, BUCKET, name=name, version=version, keys=keys,
+                                                   seed=seed, **common)  # fmt: skip
+    out["rogue-v1"] = publish_adapter(workdir, client, BUCKET, name="rogue", version="v1", keys=other_keys,
+                                      seed=5, **common)  # fmt: skip
+    out["elsewhere-v1"] = publish_adapter(workdir, client, BUCKET, name="elsewhere", version="v1", keys=keys,
+                                          base_hash="ab" * 32, base_config=None, rank=4, seed=6)  # fmt: skip
+    return out
+
+
+@contextlib.contextmanager
+def adapter_world(workdir: Path, engine, model_dir: Path, *, api_keys=None, wait_s: float = 5.0,
+                  metrics=None) -> Iterator[AdapterWorld]:  # fmt: skip
+    keys, other_keys = make_keys(workdir / "keys"), make_keys(workdir / "other-keys")
+    with moto_server() as endpoint, s3_env(endpoint):
+        endpoint.create_bucket(BUCKET)
+        published = publish_all(workdir / "published", endpoint.client(), model_dir, keys, other_keys)
+        app = create_app(engine, engine.engine.tokenizer, MODEL_NAME, api_keys, metrics=metrics)
+        state = app.state.server
+        cache_dir = workdir / "cache"
+        cache_dir.mkdir()
+        source = S3Source.create(cache_dir, 1 << 30, keys.trusted, engine.info)
+        manager = AdapterManager(engine, state.metrics, source.pull, source.release, source.pin)
+        state.metrics.watch_engine(engine, source.cache)
+        admin = create_admin_app(state, ADMIN_TOKEN, manager, wait_s=wait_s)
+        with ServerThread(app) as public, ServerThread(admin) as admin_server:
+            world = AdapterWorld(public, admin_server, source, manager, published)
+            try:
+                yield world
+            finally:
+                for name in {a.manifest.name for a in published.values()}:
+                    world.delete(name)
