@@ -1,5 +1,6 @@
-"""On a real API server: the CRDs install, and its schema validation (patterns, enums, CEL rules) refuses
-malformed custom resources with the field named. The emulator cannot check this: it has no admission."""
+"""On an external cluster (KUBECONFIG): the CRDs install, and its schema validation (patterns, enums, CEL rules)
+refuses malformed custom resources with the field named. tests/operator/test_crds_server.py checks the same on
+the tests' own control plane."""
 
 from __future__ import annotations
 

@@ -14,7 +14,6 @@ from loraplane.operator import conditions as C
 
 # Pod-side adapter states, as GET /admin/adapters reports them.
 PULLING, CACHED, LOADED, WARM, FAILED = "pulling", "cached", "loaded", "warm", "failed"
-USABLE = frozenset({WARM})
 
 
 class AdminError(Exception):

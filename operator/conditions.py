@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 
+from loraplane.server.artifacts import errors as A
+
 TRUE, FALSE, UNKNOWN = "True", "False", "Unknown"
 
 # --- condition types -------------------------------------------------------------------------------
@@ -26,22 +28,20 @@ ADAPTER_CONDITIONS = (VALIDATED, CACHED, WARMED, READY, DEGRADED)
 # --- reasons: first visit ----------------------------------------------------------------------------
 RECONCILING = "Reconciling"  # the operator has seen the object and not yet decided
 
-# --- reasons: the artifact (mirror loraplane.server.artifacts.errors; see docs/operator.md) --------------
-BAD_SIGNATURE = "BadSignature"  # the manifest signature does not verify
-UNSIGNED = "Unsigned"  # no signature next to the manifest
-UNKNOWN_KEY = "UnknownKey"  # signed by a key the base does not trust
-BASE_MISMATCH = "BaseMismatch"  # trained for another base (manifest base hash != spec.model.sha256)
-RANK_TOO_HIGH = "RankTooHigh"  # a LoRA rank above LoRABase.spec.engine.maxRank
-UNKNOWN_MODULE = "UnknownModule"  # a target module the engine does not serve
-DIGEST_MISMATCH = "DigestMismatch"  # the manifest digest differs from spec.source.manifestDigest
-IDENTITY_MISMATCH = "IdentityMismatch"  # the signed name/version differ from metadata.name/spec.version
-ROLLBACK_REFUSED = (
-    "RollbackRefused"  # signed before the serving version, and spec.source.manifestDigest unset
-)
-SOURCE_UNREACHABLE = "SourceUnreachable"  # S3 kept failing; retried with backoff
-NOT_FOUND = "NotFound"  # no manifest at spec.source.uri
-ACCESS_DENIED = "AccessDenied"  # S3 refused the operator's credentials
-BAD_MANIFEST = "BadManifest"  # malformed manifest
+# --- reasons: the artifact (the artifacts module's own strings, never retyped; see docs/operator.md) -----
+BAD_SIGNATURE = A.BAD_SIGNATURE  # the manifest signature does not verify
+UNSIGNED = A.UNSIGNED  # no signature next to the manifest
+UNKNOWN_KEY = A.UNKNOWN_KEY  # signed by a key the base does not trust
+BASE_MISMATCH = A.BASE_MISMATCH  # trained for another base (manifest base hash != spec.model.sha256)
+RANK_TOO_HIGH = A.RANK_TOO_HIGH  # a LoRA rank above LoRABase.spec.engine.maxRank
+UNKNOWN_MODULE = A.UNKNOWN_MODULE  # a target module the engine does not serve
+DIGEST_MISMATCH = A.DIGEST_MISMATCH  # the manifest digest differs from spec.source.manifestDigest
+IDENTITY_MISMATCH = A.IDENTITY_MISMATCH  # the signed name/version differ from metadata.name/spec.version
+ROLLBACK_REFUSED = A.ROLLBACK_REFUSED  # older than the serving version, and no pinned manifestDigest
+SOURCE_UNREACHABLE = A.SOURCE_UNREACHABLE  # S3 kept failing; retried with backoff
+NOT_FOUND = A.NOT_FOUND  # no manifest at spec.source.uri
+ACCESS_DENIED = A.ACCESS_DENIED  # S3 refused the operator's credentials
+BAD_MANIFEST = A.BAD_MANIFEST  # malformed manifest
 VALID = "Valid"  # Validated=True
 
 # --- reasons: the base and its pods ------------------------------------------------------------------

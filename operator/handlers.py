@@ -138,13 +138,12 @@ def pod_event(namespace, labels, memo, adapters_by_base, **_):
 
 
 # --- the reconcile loops -----------------------------------------------------------------------------
-@kopf.daemon(GROUP, VERSION, BASE_PLURAL, cancellation_timeout=10)
-async def base_daemon(stopped, body, namespace, name, memo, server_pods, logger, **_):
-    ctx, key, path = memo.ctx, (BASE, namespace, name), custom_ref(BASE_PLURAL, namespace, name).path()
+async def _reconcile_loop(ctx, key, path: str, body, stopped, logger, one_pass) -> None:
+    """One object's daemon, for either kind: a pass over its newest version, then sleep until due or woken."""
     while not stopped:
-        base = ctx.newest(path, copy.deepcopy(dict(body)))
+        obj = ctx.newest(path, copy.deepcopy(dict(body)))
         try:
-            delay = await reconcile_base.reconcile(ctx, base, list(server_pods.get((namespace, name), ())))
+            delay = await one_pass(obj)
             ctx.failures.pop((key, "error"), None)
         except Exception as exc:  # a pass failed (API error, ...): log, back off, try again
             logger.warning(f"reconcile failed: {type(exc).__name__}: {exc}")
@@ -152,22 +151,30 @@ async def base_daemon(stopped, body, namespace, name, memo, server_pods, logger,
         await ctx.sleep(key, delay, stopped)
 
 
+@kopf.daemon(GROUP, VERSION, BASE_PLURAL, cancellation_timeout=10)
+async def base_daemon(stopped, body, namespace, name, memo, server_pods, logger, **_):
+    ctx = memo.ctx
+
+    async def one_pass(base: dict) -> float:
+        return await reconcile_base.reconcile(ctx, base, list(server_pods.get((namespace, name), ())))
+
+    path = custom_ref(BASE_PLURAL, namespace, name).path()
+    await _reconcile_loop(ctx, (BASE, namespace, name), path, body, stopped, logger, one_pass)
+
+
 # The short initial delay lets kopf add its finalizer before our first status write (fewer conflicts).
 @kopf.daemon(GROUP, VERSION, ADAPTER_PLURAL, cancellation_timeout=10, initial_delay=0.5)
 async def adapter_daemon(stopped, body, namespace, name, memo, lorabases, server_pods, logger, **_):
-    ctx, key, path = memo.ctx, (ADAPTER, namespace, name), custom_ref(ADAPTER_PLURAL, namespace, name).path()
-    while not stopped:
-        adapter = ctx.newest(path, copy.deepcopy(dict(body)))
+    ctx = memo.ctx
+
+    async def one_pass(adapter: dict) -> float:
         base_name = _base_of(adapter)
         base = _first(lorabases.get((namespace, base_name)))
         pods = serving_pods(server_pods.get((namespace, base_name), ()), ctx.tunables.admin_port)
-        try:
-            delay = await reconcile_adapter.reconcile(ctx, adapter, base, pods)
-            ctx.failures.pop((key, "error"), None)
-        except Exception as exc:
-            logger.warning(f"reconcile failed: {type(exc).__name__}: {exc}")
-            delay = ctx.backoff((key, "error"), True)
-        await ctx.sleep(key, delay, stopped)
+        return await reconcile_adapter.reconcile(ctx, adapter, base, pods)
+
+    path = custom_ref(ADAPTER_PLURAL, namespace, name).path()
+    await _reconcile_loop(ctx, (ADAPTER, namespace, name), path, body, stopped, logger, one_pass)
 
 
 @kopf.on.delete(GROUP, VERSION, ADAPTER_PLURAL)

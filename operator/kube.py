@@ -56,10 +56,6 @@ def custom_ref(plural: str, namespace: str, name: str = "") -> Ref:
     return Ref(f"/apis/{API_VERSION}", plural, namespace, name)
 
 
-def pods_ref(namespace: str) -> Ref:
-    return Ref("/api/v1", "pods", namespace)
-
-
 def is_subset(want, have) -> bool:
     """Does ``have`` already hold every field of ``want``? (The server adds defaults; those do not count.)"""
     if isinstance(want, dict):

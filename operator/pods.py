@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loraplane.operator.admin_client import PodAddress
-from loraplane.operator.builders import BASE_LABEL
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,10 +36,6 @@ def pod_info(body: dict) -> PodInfo:
         admin_port=port,
         deleting=bool(meta.get("deletionTimestamp")),
     )
-
-
-def base_of(labels: dict) -> str | None:
-    return (labels or {}).get(BASE_LABEL)
 
 
 def serving_pods(infos, fallback_port: int) -> list[PodAddress]:

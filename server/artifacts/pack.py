@@ -10,7 +10,7 @@ import json
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -40,12 +40,9 @@ from loraplane.server.artifacts.peft import (
 )
 from loraplane.server.artifacts.signing import parse_signature, sign_bytes
 from loraplane.server.artifacts.verify import (
-    Policy,
-    VerifiedManifest,
     check_listing,
     folder_listing,
     hash_file,
-    verify_folder,
 )
 
 
@@ -239,9 +236,3 @@ def push_folder(
         "digest": digest_of(manifest_bytes),
         "bytes": manifest.total_bytes,
     }
-
-
-def verify_local(
-    folder: str | Path, *, trusted_keys: Mapping[str, bytes], policy: Policy
-) -> VerifiedManifest:
-    return verify_folder(Path(folder), trusted_keys=trusted_keys, policy=policy)

@@ -77,14 +77,6 @@ def key_id(public_pem: bytes | str) -> str:
     return hashlib.sha256(_raw_public(_load_public(public_pem, "key"))).hexdigest()[:16]
 
 
-def public_key_of(private_pem: bytes | str) -> bytes:
-    return (
-        _load_private(private_pem)
-        .public_key()
-        .public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
-    )
-
-
 def sign_bytes(manifest_bytes: bytes, private_pem: bytes | str) -> bytes:
     """Sign exact manifest bytes (use sign_manifest unless you are building a test artifact)."""
     private = _load_private(private_pem)

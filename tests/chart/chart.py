@@ -81,9 +81,10 @@ def template(
     overrides: dict | None = None,
     include_crds: bool = False,
     check: bool = True,
+    namespace: str = NAMESPACE,
 ) -> Rendered | subprocess.CompletedProcess:
     """`helm template` with the given values files, then ``overrides`` (a values dict, applied last)."""
-    args = ["template", RELEASE, str(CHART), "--namespace", NAMESPACE]
+    args = ["template", RELEASE, str(CHART), "--namespace", namespace]
     args += ["--include-crds"] if include_crds else []
     for path in value_files:
         args += ["--values", str(path)]

@@ -1,5 +1,5 @@
 """The chart's probes and metrics port point at what the operator really serves: run `loraplane operator
-run` with the Deployment's rendered args against the API emulator, then GET /healthz and /metrics."""
+run` with the Deployment's rendered args against the real API server, then GET /healthz and /metrics."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.chart.chart import NAMESPACE, template
+from tests.chart.chart import template
 
 LORAPLANE = Path(sys.executable).with_name("loraplane")
 
@@ -38,17 +38,18 @@ def wait_for(url: str, proc: subprocess.Popen, deadline: float) -> bytes:
 
 
 @pytest.mark.slow
-def test_probes_and_metrics_answer(kube_emulator, helm_bins):
+def test_probes_and_metrics_answer(control_plane, namespace, helm_bins):
     pytest.importorskip("kopf")
     ports = {"operator": {"healthPort": free_port()}, "metrics": {"port": free_port()}}
-    container = template(helm_bins["helm4"], overrides=ports).one("Deployment")["spec"]["template"]["spec"]
-    container = container["containers"][0]
-    namespace = kube_emulator.kubectl(
-        "create", "namespace", NAMESPACE, "--dry-run=client", "-o", "yaml"
-    ).stdout
-    kube_emulator.kubectl("apply", "-f", "-", input=namespace)
-    # What the container runs: the image's entrypoint (`loraplane`) with the Deployment's args.
-    command = [str(LORAPLANE), *container["args"], "--kubeconfig", str(kube_emulator.kubeconfig_path)]
+    rendered = template(helm_bins["helm4"], overrides=ports, namespace=namespace)
+    for doc in rendered.of_kind("ServiceAccount", "Role", "RoleBinding"):
+        control_plane.create(doc)
+    container = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]
+    # What the container runs: the image's entrypoint (`loraplane`) with the Deployment's args, with the
+    # token its ServiceAccount would get.
+    account = rendered.one("ServiceAccount")["metadata"]["name"]
+    kubeconfig = control_plane.service_account_kubeconfig(namespace, account)
+    command = [str(LORAPLANE), *container["args"], "--kubeconfig", str(kubeconfig)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 60

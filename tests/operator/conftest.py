@@ -1,24 +1,21 @@
-"""Fixtures of the operator tests: the emulator with our CRDs, moto S3 with signed adapters, a World."""
+"""Fixtures of the operator tests: the real control plane with our CRDs, moto S3 with signed adapters, a World."""
 
 from __future__ import annotations
 
-import itertools
 import pathlib
 from dataclasses import dataclass
 
 import pytest
-import yaml
 
 from tests.adapter_factory import build_signed_adapter, make_keys, push_adapter
-from tests.kube.fixtures import kube_emulator, kube_emulator_module  # noqa: F401
+from tests.controlplane.fixtures import control_plane, namespace  # noqa: F401
 from tests.operator.harness import World
-from tests.s3_servers import free_port, moto_server
+from tests.s3_servers import moto_server
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BASE_HASH = "5e" * 32
 OTHER_BASE = "77" * 32
 BUCKET = "adapters"
-_namespaces = itertools.count(1)
 
 
 @dataclass
@@ -68,18 +65,9 @@ def artifacts(tmp_path_factory) -> Artifacts:
         yield _build(tmp_path_factory.mktemp("artifacts"), s3)
 
 
-@pytest.fixture(scope="module")
-def cluster(kube_emulator_module):  # noqa: F811
-    """The module's emulator with the loraplane CRDs installed."""
-    for file_name in ("lorabase.yaml", "loraadapter.yaml"):
-        kube_emulator_module.create(yaml.safe_load((ROOT / "crds" / file_name).read_text()))
-    return kube_emulator_module
-
-
 @pytest.fixture
-def world(cluster, artifacts):
-    w = World(cluster, f"t{next(_namespaces)}", s3=artifacts.s3, keys=artifacts.keys, base_hash=BASE_HASH,
-              port=free_port())  # fmt: skip
+def world(control_plane, namespace, artifacts):  # noqa: F811
+    w = World(control_plane, namespace, s3=artifacts.s3, keys=artifacts.keys, base_hash=BASE_HASH)
     try:
         yield w
     finally:

@@ -1,15 +1,17 @@
-"""Run the real operator (kopf + the kubernetes client) against the emulator, in a thread of its own.
+"""Run the real operator (kopf + the kubernetes client) against the real API server, in a thread of its own.
 
-``OperatorThread`` uses kopf's ``spawn_tasks`` + ``run_tasks`` in its own event loop, so the test
-thread stays synchronous and the emulator's thread serves both. ``World`` sets up one namespace:
-Secrets, a LoRABase whose pods are fake admin servers, and helpers to create adapters and wait.
+``OperatorThread`` uses kopf's ``spawn_tasks`` + ``run_tasks`` in its own event loop, so the test thread stays
+synchronous. It talks to the API server as the chart's ServiceAccount (a TokenRequest token), with the chart's
+own Role, so every test also checks the chart's RBAC. ``World`` sets up one namespace: that RBAC, Secrets, a
+LoRABase whose pods the kubelet stand-in runs as fake admin servers, and helpers to create adapters and wait.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
+import json
+import subprocess
 import threading
 import time
 from typing import Any
@@ -21,11 +23,11 @@ from loraplane.operator import handlers
 from loraplane.operator.context import Context, Tunables
 from loraplane.operator.kube import Kube
 from loraplane.operator.policy import SECRET_LABEL, OperatorPolicy
+from tests.controlplane.kubelet import MERGE_PATCH, Kubelet
 from tests.operator.fake_admin import FakePod
 
 API = "loraplane.dev/v1alpha1"
 TOKEN = "test-admin-token"
-_ips = itertools.count(2)  # 127.0.0.N for fake pods, unique across the test session
 # The S3 endpoints the test Worlds use (their moto server, and a port where nothing listens): the
 # operator's default policy in these tests allows exactly these.
 TEST_ENDPOINTS: set[str] = {"http://127.0.0.1:9"}
@@ -39,15 +41,16 @@ def fast_tunables(**overrides) -> Tunables:
 
 
 class OperatorThread:
-    def __init__(
-        self, emulator, namespace: str, tunables: Tunables | None = None, policy: OperatorPolicy | None = None
-    ):
+    """The operator, in a thread, authenticated as the chart's ServiceAccount of ``world``'s namespace."""
+
+    def __init__(self, world: World, tunables: Tunables | None = None, policy: OperatorPolicy | None = None):
         policy = policy or OperatorPolicy(allowed_s3_endpoints=tuple(sorted(TEST_ENDPOINTS)))
-        self.ctx = Context(Kube(emulator.api_client()), tunables or fast_tunables(), policy=policy)
-        self.namespace = namespace
+        kube = Kube(world.plane.api_client(token=world.operator_token()))
+        self.ctx = Context(kube, tunables or fast_tunables(), policy=policy)
+        self.namespace = world.ns
         self.stop_flag, self.ready_flag = threading.Event(), threading.Event()
         self.failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"operator-{namespace}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"operator-{self.namespace}", daemon=True)
 
     def __enter__(self) -> OperatorThread:
         self._thread.start()
@@ -107,31 +110,83 @@ def condition(obj: dict, type_: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or [] if c["type"] == type_), {})
 
 
-class World:
-    """One namespace with a LoRABase ``demo`` whose ready pods are fake admin servers."""
+class FakeContainer:
+    """What the kubelet stand-in runs for one Pod: a FakePod on the Pod's IP and declared admin port.
 
-    def __init__(self, emulator, namespace: str, *, s3, keys, base_hash: str, port: int, max_rank: int = 16):
-        self.emu, self.ns, self.s3, self.keys, self.base_hash, self.port = (
-            emulator,
-            namespace,
-            s3,
-            keys,
-            base_hash,
-            port,
-        )
-        self.pods: dict[str, FakePod] = {}  # pod name -> fake server
+    Readiness is what the test says (``ready``), not whether the fake server answers: stopping a FakePod plays
+    a pod that Kubernetes still calls Ready but the operator cannot reach.
+    """
+
+    def __init__(self, pod: dict, ip: str, token: str, base_hash: str):
+        ports = [
+            p for c in pod["spec"]["containers"] for p in c.get("ports") or () if p.get("name") == "admin"
+        ]
+        self.fake = FakePod(ip, ports[0]["containerPort"] if ports else B.ADMIN_PORT, token, base_hash)
+        self.name = pod["metadata"]["name"]
+        self.is_ready = True
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def alive(self) -> bool:
+        return True
+
+    def stop(self) -> None:
+        self.fake.stop()
+
+
+def render_operator_rbac(namespace: str) -> list[dict]:
+    """The chart's ServiceAccount, Role and RoleBinding for a release in ``namespace`` (helm template)."""
+    from tests.chart.chart import CHART, ensure_tools, load_docs
+
+    helm = ensure_tools()["helm4"]
+    out = subprocess.run(
+        [str(helm), "template", "lp", str(CHART), "--namespace", namespace,
+         "--show-only", "templates/serviceaccount.yaml", "--show-only", "templates/rbac.yaml"],
+        capture_output=True, text=True, check=True, timeout=120,
+    )  # fmt: skip
+    return load_docs(out.stdout)
+
+
+class World:
+    """One namespace with the chart's RBAC and a LoRABase ``demo`` whose Pods run fake admin servers."""
+
+    def __init__(self, plane, namespace: str, *, s3, keys, base_hash: str, max_rank: int = 16):
+        self.plane, self.ns, self.s3, self.keys, self.base_hash = plane, namespace, s3, keys, base_hash
         self.max_rank = max_rank
+        self.pods: dict[str, FakePod] = {}  # pod name -> fake server
         TEST_ENDPOINTS.add(s3.url)
-        emulator.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+        rbac = render_operator_rbac(namespace)
+        for doc in rbac:
+            plane.create(doc)
+        self.service_account = next(d for d in rbac if d["kind"] == "ServiceAccount")
         self.secret("admin-token", {"token": TOKEN})
         self.secret("signers", {"release.pem": keys.public_pem.decode()})
         self.secret("s3", {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key})
+        self.kubelet = Kubelet(plane, namespace, self._container, admit_all=False).__enter__()
+
+    @property
+    def emu(self):
+        """The API server, under the name older tests use."""
+        return self.plane
+
+    @property
+    def operator_user(self) -> str:
+        return f"system:serviceaccount:{self.ns}:{self.service_account['metadata']['name']}"
+
+    def operator_token(self) -> str:
+        return self.plane.service_account_token(self.ns, self.service_account["metadata"]["name"])
+
+    def _container(self, pod: dict, ip: str) -> FakeContainer:
+        container = FakeContainer(pod, ip, TOKEN, self.base_hash)
+        self.pods[container.name] = container.fake
+        return container
 
     def secret(self, name: str, data: dict[str, str], labeled: bool = True) -> None:
         """A Secret; ``labeled``: carries the label that lets the operator use it."""
         encoded = {k: base64.b64encode(v.encode()).decode() for k, v in data.items()}
         metadata = {"name": name, "namespace": self.ns, "labels": {SECRET_LABEL: "true"} if labeled else {}}
-        self.emu.create({"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "data": encoded})
+        self.plane.create({"apiVersion": "v1", "kind": "Secret", "metadata": metadata, "data": encoded})
 
     def base_manifest(self, name: str = "demo", replicas: int = 2, endpoint: str | None = None) -> dict:
         return {
@@ -150,7 +205,7 @@ class World:
         }  # fmt: skip
 
     def create_base(self, name: str = "demo", replicas: int = 2, endpoint: str | None = None) -> dict:
-        return self.emu.create(self.base_manifest(name, replicas, endpoint))
+        return self.plane.create(self.base_manifest(name, replicas, endpoint))
 
     def adapter_manifest(self, name: str, uri: str, version: str, base: str = "demo", **spec) -> dict:
         return {
@@ -161,44 +216,45 @@ class World:
         }
 
     def create_adapter(self, name: str, uri: str, version: str, base: str = "demo", **spec) -> dict:
-        return self.emu.create(self.adapter_manifest(name, uri, version, base, **spec))
+        return self.plane.create(self.adapter_manifest(name, uri, version, base, **spec))
 
     def get(self, kind: str, name: str) -> dict:
-        return self.emu.get(API if kind.startswith("LoRA") else "apps/v1", kind, name, self.ns)
+        return self.plane.get(API if kind.startswith("LoRA") else "apps/v1", kind, name, self.ns)
 
     def adapter(self, name: str) -> dict:
-        return self.emu.get(API, "LoRAAdapter", name, self.ns)
+        return self.plane.get(API, "LoRAAdapter", name, self.ns)
+
+    def events(self, reason: str | None = None) -> list[dict]:
+        return [
+            e for e in self.plane.list("v1", "Event", self.ns) if reason is None or e.get("reason") == reason
+        ]
 
     def api(self, method: str, kind: str, name: str, body: dict | None = None) -> dict:
-        """A real API call (counted in the emulator's log), for what a user or another writer does."""
-        from loraplane.operator.kube import MERGE_PATCH, custom_ref
+        """A call as the admin, for what a user or another writer does."""
+        path = self.plane.path(API, kind, name, self.ns)
+        status, answer = self.plane.request(method, path, body, content_type=MERGE_PATCH)
+        if status >= 300:
+            raise RuntimeError(f"{method} {kind} {name}: {status} {answer[:300]!r}")
+        return json.loads(answer)
 
-        kube = Kube(self.emu.api_client())
-        path = custom_ref(kind.lower() + "s", self.ns, name).path()
-        return kube._call(method, path, body, content_type=MERGE_PATCH if method == "PATCH" else None)
+    def add_pod(self, base: str = "demo") -> FakePod:
+        """Let the next pending Pod of the base's Deployment start; its fake server once it runs."""
+        before = set(self.kubelet.running)
+        self.kubelet.admit(1)
 
-    def add_pod(self, base: str = "demo", ready: bool = True) -> FakePod:
-        """A fake server pod: the Deployment's pod in the API, a FakePod at its IP."""
-        deployment = wait_for(lambda: self.get("Deployment", base), what=f"Deployment {base}")
-        owner = {"apiVersion": "apps/v1", "kind": "Deployment", "name": base,
-                 "uid": deployment["metadata"]["uid"], "controller": True}  # fmt: skip
-        fake = FakePod(f"127.0.0.{next(_ips)}", self.port, TOKEN, self.base_hash)
-        name = f"{base}-{len(self.pods)}-{fake.ip.rsplit('.', 1)[1]}"
-        containers = [
-            {"name": "server", "image": "test", "ports": [{"name": "admin", "containerPort": self.port}]}
-        ]
-        self.emu.make_pod(name, B.labels(base), namespace=self.ns, ready=ready, ip=fake.ip, owner=owner,
-                          containers=containers)  # fmt: skip
-        self.pods[name] = fake
-        return fake
+        def started():
+            return [n for n in self.kubelet.running if n not in before]
+
+        name = wait_for(started, timeout=60, what=f"a new Pod of {base} running")[0]
+        return self.pods[name]
 
     def remove_pod(self, name: str) -> None:
-        self.emu.delete("v1", "Pod", name, self.ns)
-        self.pods.pop(name).stop()
+        """The Pod is evicted and its server stops; the ReplicaSet makes a new one (Pending until admitted)."""
+        self.kubelet.kill(name)
+        self.pods.pop(name)
 
     def close(self) -> None:
-        for fake in self.pods.values():
-            fake.stop()
+        self.kubelet.stop()
 
     def wait_adapter(self, name: str, check, timeout: float = 30.0, what: str = "") -> dict:
         seen = {}

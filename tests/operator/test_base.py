@@ -4,33 +4,30 @@ from __future__ import annotations
 
 from loraplane.operator import builders as B
 from loraplane.operator import metrics
-from tests.kube.errors import ApiError
 from tests.operator.harness import API, OperatorThread, condition, wait_for
 
 
 def _gone(world, api_version: str, kind: str, name: str) -> bool:
     """True once the API answers 404; any other error is a failure, not "gone"."""
     try:
-        world.emu.get(api_version, kind, name, world.ns)
+        world.plane.get(api_version, kind, name, world.ns)
         return False
-    except ApiError as exc:
-        if exc.code == 404:
-            return True
-        raise
+    except LookupError:  # 404 only: ControlPlane.get raises RuntimeError for anything else
+        return True
 
 
 def test_objects_token_rollout_and_cascade(world):
     manifest = world.base_manifest("pool", replicas=1)
     del manifest["spec"]["adminTokenSecretRef"]  # the operator generates one
-    world.emu.create(manifest)
+    world.plane.create(manifest)
     reconciled = metrics.RECONCILES.labels("LoRABase", "ok")._value.get()  # process-wide: take the difference
-    with OperatorThread(world.emu, world.ns):
+    with OperatorThread(world):
         deployment = wait_for(lambda: world.get("Deployment", "pool"), what="Deployment")
-        token = wait_for(lambda: world.emu.get("v1", "Secret", "pool-admin-token", world.ns))
+        token = wait_for(lambda: world.plane.get("v1", "Secret", "pool-admin-token", world.ns))
         assert token["metadata"]["ownerReferences"][0]["name"] == "pool"
         for name in ("pool", "pool-admin"):
             service = wait_for(
-                lambda n=name: world.emu.get("v1", "Service", n, world.ns), what=f"Service {name}"
+                lambda n=name: world.plane.get("v1", "Service", n, world.ns), what=f"Service {name}"
             )
             assert service["metadata"]["ownerReferences"][0]["kind"] == "LoRABase"
         base = wait_for(
@@ -47,7 +44,7 @@ def test_objects_token_rollout_and_cascade(world):
                 B.TEMPLATE_HASH] != first_hash and d, what="a new pod template")  # fmt: skip
         assert "--max-rank=8" in rolled["spec"]["template"]["spec"]["containers"][0]["args"]
         assert rolled["metadata"]["resourceVersion"] != rv
-        again = world.emu.get("v1", "Secret", "pool-admin-token", world.ns)
+        again = world.plane.get("v1", "Secret", "pool-admin-token", world.ns)
         assert again["data"] == token["data"], "the admin token is never rewritten"
         assert metrics.RECONCILES.labels("LoRABase", "ok")._value.get() > reconciled
         world.api("DELETE", "LoRABase", "pool")

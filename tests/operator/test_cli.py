@@ -36,23 +36,24 @@ def test_console_script_dispatches_here(tmp_path, capsys):
     assert exit_.value.code == 2 and "--namespace" in capsys.readouterr().err
 
 
-def test_operator_run_process_serves_liveness_and_metrics(kube_emulator):  # noqa: F811
-    """The real entry point in its own process: kubeconfig by flag, liveness, metrics, SIGTERM."""
+def test_operator_run_process_serves_liveness_and_metrics(control_plane, namespace):
+    """The real entry point in its own process, as the chart's ServiceAccount: liveness, metrics, SIGTERM."""
     import signal
     import subprocess
     import sys
     import urllib.request
 
-    import yaml
-
-    from tests.operator.harness import wait_for
+    from tests.operator.harness import render_operator_rbac, wait_for
     from tests.s3_servers import free_port
 
-    for file_name in ("lorabase.yaml", "loraadapter.yaml"):
-        kube_emulator.create(yaml.safe_load((ROOT / "crds" / file_name).read_text()))
+    rbac = render_operator_rbac(namespace)
+    for doc in rbac:
+        control_plane.create(doc)
+    account = next(d for d in rbac if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    kubeconfig = control_plane.service_account_kubeconfig(namespace, account)
     metrics_port, live_port = free_port(), free_port()
-    command = [sys.executable, "-m", "loraplane.cli", "operator", "run", "--namespace", "default", "--standalone",
-               "--kubeconfig", str(kube_emulator.kubeconfig_path), "--metrics-port", str(metrics_port),
+    command = [sys.executable, "-m", "loraplane.cli", "operator", "run", "--namespace", namespace, "--standalone",
+               "--kubeconfig", str(kubeconfig), "--metrics-port", str(metrics_port),
                "--liveness", f"http://127.0.0.1:{live_port}/healthz"]  # fmt: skip
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
@@ -61,11 +62,13 @@ def test_operator_run_process_serves_liveness_and_metrics(kube_emulator):  # noq
     try:
         get = lambda url: urllib.request.urlopen(url, timeout=2).read().decode()  # noqa: E731
         wait_for(lambda: get(f"http://127.0.0.1:{live_port}/healthz"), timeout=60, what="liveness")
-        kube_emulator.create({"apiVersion": "loraplane.dev/v1alpha1", "kind": "LoRABase",
-                              "metadata": {"name": "demo", "namespace": "default"},
+        control_plane.create({"apiVersion": "loraplane.dev/v1alpha1", "kind": "LoRABase",
+                              "metadata": {"name": "demo", "namespace": namespace},
                               "spec": {"model": {"uri": "s3://m/", "sha256": "ab" * 32}, "replicas": 0}})  # fmt: skip
         wait_for(
-            lambda: kube_emulator.get("apps/v1", "Deployment", "demo"), timeout=30, what="the Deployment"
+            lambda: control_plane.get("apps/v1", "Deployment", "demo", namespace),
+            timeout=30,
+            what="the Deployment",
         )
         text = wait_for(
             lambda: (

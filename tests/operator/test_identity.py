@@ -19,7 +19,7 @@ def _build(tmp_path, artifacts, label: str, version: str, created: str, seed: in
 
 def test_name_or_version_other_than_the_signed_ones_is_refused(world, artifacts):
     world.create_base(replicas=1)
-    with OperatorThread(world.emu, world.ns):
+    with OperatorThread(world):
         pod = world.add_pod()
         world.create_adapter("chat", artifacts.uris["v1"], "v9")  # the v1 artifact, called v9
         world.create_adapter("impostor", artifacts.uris["v1"], "v1")  # chat's artifact, called impostor
@@ -36,7 +36,7 @@ def test_an_older_signed_version_needs_a_pinned_digest(world, artifacts, tmp_pat
     # r3 was signed long ago (an abandoned build): whoever can write to the bucket can put it at r3/
     old_uri, old_digest = _build(tmp_path, artifacts, "r3", "r3", "2026-06-01T10:00:00Z", seed=2)
     world.create_base(replicas=1)
-    with OperatorThread(world.emu, world.ns):
+    with OperatorThread(world):
         pod = world.add_pod()
         world.create_adapter("chat", new_uri, "r2")
         assert world.wait_ready("chat")["status"]["digest"] == new_digest

@@ -1,0 +1,234 @@
+"""A scheduler and kubelet stand-in for one fake Node, as kwok plays them, but running real containers' stand-ins.
+
+The controller manager turns Deployments into ReplicaSets and Pods; nothing schedules or runs them. ``Kubelet``
+does, for one namespace: it binds pending Pods to the Node ``stand-in``, gives each its own loopback address
+(127.0.0.N, so Pod IPs differ), asks a ``Runtime`` to start the Pod (a real ``loraplane serve`` process, or a
+fake admin server in the operator tests), and writes ``status.podIP``, container statuses and the Ready
+condition from the runtime's readiness. A Pod being deleted has its process stopped before the deletion is
+confirmed, as a kubelet does; ``kill(name)`` stops a process on demand and evicts its Pod, so the ReplicaSet
+replaces it.
+
+With ``admit_all=False`` Pods stay Pending until ``admit()`` lets the next one start: tests that add pods one
+at a time use that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+NODE = "stand-in"
+MERGE_PATCH = "application/merge-patch+json"
+_addresses = itertools.count(2)  # 127.0.0.N, unique across the test session
+
+
+def next_address() -> str:
+    n = next(_addresses)
+    if n > 250:
+        raise RuntimeError("out of 127.0.0.N addresses for stand-in Pods")
+    return f"127.0.0.{n}"
+
+
+class Handle(Protocol):
+    def ready(self) -> bool: ...
+    def alive(self) -> bool: ...
+    def stop(self) -> None: ...
+
+
+Runtime = Callable[[dict, str], Handle]  # (pod, ip) -> a running container stand-in
+
+
+@dataclass
+class Running:
+    pod: dict
+    ip: str
+    handle: Handle
+    started: str
+    ready: bool | None = None
+    alive: bool = True
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def ensure_node(plane) -> None:
+    """The one Node, Ready, with loopback as its address (admin writes it; idempotent)."""
+    node = {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": NODE, "labels": {"kubernetes.io/hostname": NODE}},
+    }
+    status, body = plane.request("POST", "/api/v1/nodes", node)
+    if status not in (201, 409):
+        raise RuntimeError(f"creating Node {NODE}: {status} {body[:300]!r}")
+    stamp = _now()
+    node_status = {"status": {
+        "conditions": [{"type": "Ready", "status": "True", "reason": "StandIn", "lastHeartbeatTime": stamp,
+                        "lastTransitionTime": stamp}],
+        "addresses": [{"type": "InternalIP", "address": "127.0.0.1"}, {"type": "Hostname", "address": NODE}],
+        "capacity": {"cpu": "64", "memory": "256Gi", "pods": "250"},
+        "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "250"},
+    }}  # fmt: skip
+    plane.request("PATCH", f"/api/v1/nodes/{NODE}/status", node_status, content_type=MERGE_PATCH)
+
+
+class Kubelet:
+    def __init__(
+        self, plane, namespace: str, runtime: Runtime, *, admit_all: bool = True, interval: float = 0.2
+    ):
+        self.plane, self.namespace, self.runtime = plane, namespace, runtime
+        self.admit_all, self.interval = admit_all, interval
+        self.running: dict[str, Running] = {}  # pod name -> what runs it
+        self.errors: list[str] = []
+        self._allowance = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"kubelet-{namespace}", daemon=True)
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def __enter__(self) -> Kubelet:
+        ensure_node(self.plane)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+        with self._lock:
+            for running in self.running.values():
+                running.handle.stop()
+            self.running.clear()
+
+    # --- what tests call -----------------------------------------------------------------------
+    def admit(self, count: int = 1) -> None:
+        """Let ``count`` more pending Pods start (with ``admit_all=False``)."""
+        with self._lock:
+            self._allowance += count
+
+    def wait_running(self, count: int, timeout: float = 60.0) -> list[Running]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                running = [r for r in self.running.values() if r.alive]
+            if len(running) >= count:
+                return running
+            time.sleep(0.1)
+        raise AssertionError(
+            f"{count} Pods not running in {self.namespace} within {timeout} s: {self.errors[-3:]}"
+        )
+
+    def kill(self, name: str) -> None:
+        """Stop the Pod's process, then evict the Pod (phase Failed, deleted): its ReplicaSet makes a new one."""
+        with self._lock:
+            running = self.running.pop(name)
+        running.handle.stop()
+        self._patch_status(name, {"phase": "Failed", "reason": "Killed", "message": "killed by the test",
+                                  "conditions": self._conditions(False, running.started)})  # fmt: skip
+        self.plane.request(
+            "DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{name}", {"gracePeriodSeconds": 0}
+        )
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._sync()
+            except Exception as exc:  # noqa: BLE001 - kept for the test's timeout message
+                self.errors.append(repr(exc))
+            self._stop.wait(self.interval)
+
+    def _list_pods(self) -> list[dict[str, Any]]:
+        status, body = self.plane.request("GET", f"/api/v1/namespaces/{self.namespace}/pods")
+        if status != 200:
+            raise RuntimeError(f"listing pods: {status}")
+        return json.loads(body)["items"]
+
+    def _sync(self) -> None:
+        pods = {p["metadata"]["name"]: p for p in self._list_pods()}
+        for name in [n for n in self.running if n not in pods]:
+            with self._lock:
+                gone = self.running.pop(name, None)
+            if gone:
+                gone.handle.stop()
+        for name, pod in pods.items():
+            if pod["metadata"].get("deletionTimestamp"):
+                self._finish_deletion(name, pod)
+            elif name in self.running:
+                self._report(name)
+            elif not pod["spec"].get("nodeName") and self._may_start():
+                self._start(name, pod)
+
+    def _may_start(self) -> bool:
+        with self._lock:
+            if self.admit_all:
+                return True
+            if self._allowance > 0:
+                self._allowance -= 1
+                return True
+            return False
+
+    def _start(self, name: str, pod: dict) -> None:
+        binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+                   "target": {"apiVersion": "v1", "kind": "Node", "name": NODE}}  # fmt: skip
+        status, body = self.plane.request(
+            "POST", f"/api/v1/namespaces/{self.namespace}/pods/{name}/binding", binding
+        )
+        if status != 201:
+            raise RuntimeError(f"binding {name}: {status} {body[:200]!r}")
+        ip = next_address()
+        handle = self.runtime(pod, ip)
+        with self._lock:
+            self.running[name] = Running(pod, ip, handle, _now())
+        self._report(name)
+
+    def _report(self, name: str) -> None:
+        running = self.running.get(name)
+        if running is None:
+            return
+        alive = running.handle.alive()
+        ready = alive and running.handle.ready()
+        if ready == running.ready and alive == running.alive:
+            return
+        running.ready, running.alive = ready, alive
+        containers = running.pod["spec"]["containers"]
+        state = {"running": {"startedAt": running.started}} if alive else {
+            "terminated": {"exitCode": 1, "reason": "Error", "finishedAt": _now()}}  # fmt: skip
+        statuses = [{"name": c["name"], "image": c["image"], "imageID": "", "ready": ready, "started": alive,
+                     "restartCount": 0, "state": state} for c in containers]  # fmt: skip
+        self._patch_status(name, {
+            "phase": "Running", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
+            "podIP": running.ip, "podIPs": [{"ip": running.ip}], "startTime": running.started,
+            "conditions": self._conditions(ready, running.started), "containerStatuses": statuses,
+        })  # fmt: skip
+
+    def _conditions(self, ready: bool, started: str) -> list[dict]:
+        flag = "True" if ready else "False"
+        return [{"type": "PodScheduled", "status": "True", "lastTransitionTime": started},
+                {"type": "Initialized", "status": "True", "lastTransitionTime": started},
+                {"type": "ContainersReady", "status": flag, "lastTransitionTime": _now()},
+                {"type": "Ready", "status": flag, "lastTransitionTime": _now()}]  # fmt: skip
+
+    def _patch_status(self, name: str, status: dict) -> None:
+        path = f"/api/v1/namespaces/{self.namespace}/pods/{name}/status"
+        code, body = self.plane.request("PATCH", path, {"status": status}, content_type=MERGE_PATCH)
+        if code not in (200, 404):
+            raise RuntimeError(f"status of {name}: {code} {body[:200]!r}")
+
+    def _finish_deletion(self, name: str, pod: dict) -> None:
+        with self._lock:
+            running = self.running.pop(name, None)
+        if running:
+            running.handle.stop()
+        uid = pod["metadata"]["uid"]
+        body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
+        self.plane.request("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{name}", body)
