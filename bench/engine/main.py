@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,26 +30,9 @@ from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk
 from loraplane.server.engine.sequence import SamplingParams, Sequence
 from loraplane.server.engine.weights import hf_state_dict, random_model
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192},
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-}  # fmt: skip
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
+from shapes import LLAMA3_8B  # noqa: E402
+
 CTX, BATCHES = 512, (1, 16, 64, 128)
 E2E_REQUESTS, E2E_IN, E2E_OUT, HF_BATCH = 256, 512, 128, 64
 

@@ -36,37 +36,10 @@ from loraplane.server.engine.parallel.lora_sync import shard_adapter
 from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk
 from loraplane.server.engine.sequence import SamplingParams, Sequence
 
-_LLAMA = dict(model_type="llama", max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0,
-              tie_word_embeddings=False, torch_dtype="bfloat16")  # fmt: skip
-SHAPES = {
-    "llama3-70b": dict(
-        _LLAMA,
-        vocab_size=128256,
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-    ),  # fmt: skip
-    "llama3-8b": dict(
-        _LLAMA,
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),  # fmt: skip
-    "tiny": dict(
-        _LLAMA,
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    ),  # fmt: skip
-}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
+from shapes import LLAMA3_8B, LLAMA3_70B, TINY_LLAMA  # noqa: E402
+
+SHAPES = {"llama3-70b": LLAMA3_70B, "llama3-8b": LLAMA3_8B, "tiny": TINY_LLAMA}
 CTX, BATCHES = 512, (1, 16, 64, 128)
 
 

@@ -120,7 +120,11 @@ def random_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, see
     with torch.device("meta"):
         model = CausalLM(cfg).to(dtype)
     model = model.to_empty(device=device)
-    gen = torch.Generator(device=device).manual_seed(seed)
+    return fill_random(model, cfg, torch.Generator(device=device).manual_seed(seed))
+
+
+def fill_random(model: CausalLM, cfg: ModelConfig, gen: torch.Generator) -> CausalLM:
+    """Random weights in place: matrices N(0, 1/hidden), norms 1, the rest N(0, 0.02); eval, no grad."""
     std = cfg.hidden_size**-0.5
     for name, p in model.named_parameters():
         if p.dim() > 1:

@@ -14,7 +14,14 @@ from safetensors import safe_open
 
 from ..model import CausalLM
 from ..model_config import ModelConfig
-from ..weights import _IGNORED_SUFFIXES, WeightsError, hf_layout, hf_state_dict, safetensors_files
+from ..weights import (
+    _IGNORED_SUFFIXES,
+    WeightsError,
+    fill_random,
+    hf_layout,
+    hf_state_dict,
+    safetensors_files,
+)
 from .group import TPGroup
 from .layers import ROW_PARALLEL, VocabParallelEmbedding, VocabParallelLMHead, build_sharded_model, shard_rows
 
@@ -108,14 +115,4 @@ def random_sharded_model(cfg: ModelConfig, tp: TPGroup, device: torch.device, dt
                          seed: int = 0) -> CausalLM:  # fmt: skip
     """Rank ``tp.rank``'s shard with random weights (benchmarks: speed does not depend on values)."""
     model = _materialise(cfg, tp, device, dtype)
-    gen = torch.Generator(device=device).manual_seed(seed + tp.rank)
-    std = cfg.hidden_size**-0.5
-    for name, p in model.named_parameters():
-        if p.dim() > 1:
-            p.data.normal_(0.0, std, generator=gen)
-        elif name.endswith("norm.weight"):
-            p.data.fill_(1.0)
-        else:
-            p.data.normal_(0.0, 0.02, generator=gen)
-    model.tie_weights()
-    return model.eval().requires_grad_(False)
+    return fill_random(model, cfg, torch.Generator(device=device).manual_seed(seed + tp.rank))
