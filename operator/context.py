@@ -1,18 +1,17 @@
-"""What every handler shares: clients, tunables, wake-up events. Nothing here is a source of truth.
+"""What every handler shares: clients, tunables, wake-up events, and the caches of operator/caches.py.
 
-State lives in the API (specs, status) and in the pods (GET /admin/adapters); the caches below only
-save work (a validated manifest, a Secret read a moment ago) and are rebuilt after a restart.
+Nothing here is a source of truth: state lives in the API (specs, status) and in the pods
+(GET /admin/adapters); the caches only save work and are rebuilt after a restart.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from loraplane.operator.admin_client import AdminClient
 from loraplane.operator.builders import ADMIN_PORT
+from loraplane.operator.caches import Backoff, Fingerprints, Memo, SharedResults, Snapshots, StatusEcho
 from loraplane.operator.kube import Kube
 from loraplane.operator.policy import OperatorPolicy
 
@@ -47,13 +46,12 @@ class Context:
     tunables: Tunables = field(default_factory=Tunables)
     admin: AdminClient | None = None
     policy: OperatorPolicy = field(default_factory=OperatorPolicy)  # what a LoRABase may ask for
-    validated: OrderedDict = field(default_factory=OrderedDict)  # validation key -> VerifiedManifest
-    failures: dict = field(default_factory=dict)  # (uid, generation) -> consecutive failures (backoff only)
-    fingerprints: dict = field(default_factory=dict)  # base key -> what adapters care about
-    s3_clients: dict = field(default_factory=dict)  # (endpoint, region, credentials hash) -> boto3 client
-    snapshots: dict = field(default_factory=dict)  # PodAddress -> (taken at, task listing its adapters)
-    inflight: dict = field(default_factory=dict)  # validation key -> the task fetching it
-    latest: dict = field(default_factory=dict)  # API path -> the object our last status patch returned
+    validations: SharedResults = field(default_factory=SharedResults)  # key -> VerifiedManifest
+    s3_clients: Memo = field(default_factory=Memo)  # (endpoint, region, credentials hash) -> boto3 client
+    snapshots: Snapshots = field(default_factory=Snapshots)  # PodAddress -> its adapter listing
+    fingerprints: Fingerprints = field(default_factory=Fingerprints)  # base key -> what adapters care about
+    echo: StatusEcho = field(default_factory=StatusEcho)  # API path -> our last status patch's answer
+    failures: Backoff = field(default_factory=Backoff)  # (uid, generation) or (key, "error") -> failures
     _events: dict = field(default_factory=dict)
     _limit: asyncio.Semaphore | None = None
 
@@ -74,20 +72,11 @@ class Context:
         assert self._limit is not None, "Context.start() runs at operator startup"
         return self._limit
 
-    def remember_validation(self, key: tuple, value) -> None:
-        self.validated[key] = value
-        self.validated.move_to_end(key)
-        while len(self.validated) > 4096:
-            self.validated.popitem(last=False)
-
     def backoff(self, key: tuple, failed: bool) -> float:
         """The delay before the next attempt: exponential while failing, reset by a success."""
-        if not failed:
-            self.failures.pop(key, None)
-            # +-10% so that thousands of daemons started together do not check their pods in bursts
-            return self.tunables.drift_interval * random.uniform(0.9, 1.1)
-        count = self.failures[key] = self.failures.get(key, 0) + 1
-        return min(self.tunables.max_retry_delay, self.tunables.retry_delay * 2 ** (count - 1))
+        t = self.tunables
+        return self.failures.delay(key, failed, steady=t.drift_interval, first=t.retry_delay,
+                                   longest=t.max_retry_delay)  # fmt: skip
 
     # --- wake-ups: a daemon sleeps until its timeout or until an event concerns it -----------------
     def wake(self, key: tuple) -> None:
@@ -109,16 +98,4 @@ class Context:
 
     def forget(self, key: tuple, path: str = "") -> None:
         self._events.pop(key, None)
-        self.latest.pop(path, None)
-
-    def newest(self, path: str, body: dict) -> dict:
-        """``body`` (from the watch), or what our own last status patch returned if that is newer."""
-        mine = self.latest.get(path)
-        if mine is None:
-            return body
-        theirs_rv = str(body.get("metadata", {}).get("resourceVersion", ""))
-        mine_rv = str(mine.get("metadata", {}).get("resourceVersion", ""))
-        if theirs_rv.isdigit() and mine_rv.isdigit() and int(mine_rv) > int(theirs_rv):
-            return mine
-        self.latest.pop(path, None)
-        return body
+        self.echo.forget(path)

@@ -123,8 +123,7 @@ def base_event(type, body, namespace, name, memo, adapters_by_base, **_):
     status = body.get("status") or {}
     fingerprint = None if type == "DELETED" else (
         body["metadata"].get("generation"), status.get("readyReplicas"), status.get("observedBaseHash"))  # fmt: skip
-    if ctx.fingerprints.get((namespace, name)) != fingerprint:
-        ctx.fingerprints[(namespace, name)] = fingerprint
+    if ctx.fingerprints.changed((namespace, name), fingerprint):
         for adapter in adapters_by_base.get((namespace, name), ()):
             ctx.wake((ADAPTER, namespace, adapter))
 
@@ -141,10 +140,10 @@ def pod_event(namespace, labels, memo, adapters_by_base, **_):
 async def _reconcile_loop(ctx, key, path: str, body, stopped, logger, one_pass) -> None:
     """One object's daemon, for either kind: a pass over its newest version, then sleep until due or woken."""
     while not stopped:
-        obj = ctx.newest(path, copy.deepcopy(dict(body)))
+        obj = ctx.echo.newest(path, copy.deepcopy(dict(body)))
         try:
             delay = await one_pass(obj)
-            ctx.failures.pop((key, "error"), None)
+            ctx.failures.reset((key, "error"))
         except Exception as exc:  # a pass failed (API error, ...): log, back off, try again
             logger.warning(f"reconcile failed: {type(exc).__name__}: {exc}")
             delay = ctx.backoff((key, "error"), True)

@@ -31,7 +31,7 @@ async def publish(ctx: Context, body: dict, ref: Ref, status: dict) -> bool:
         return False
     written = await ctx.kube.patch_status(ref, status)
     if written is not None:
-        ctx.latest[ref.path()] = written
+        ctx.echo.remember(ref.path(), written)
     for cond in C.transitions(old.get("conditions"), status.get("conditions") or []):
         if cond["status"] == C.UNKNOWN:
             continue

@@ -79,19 +79,13 @@ async def observe(
 
 
 async def _snapshot(ctx: Context, pod: PodAddress, token: str):
-    now = asyncio.get_running_loop().time()
-    taken = ctx.snapshots.get(pod)
-    if taken is None or now - taken[0] >= ctx.tunables.poll_interval:
-        if len(ctx.snapshots) > 4096:
-            ctx.snapshots.clear()
-        taken = ctx.snapshots[pod] = (now, asyncio.ensure_future(ctx.admin.list(pod, token)))
-    return await asyncio.shield(taken[1])
+    return await ctx.snapshots.get(pod, ctx.tunables.poll_interval, lambda: ctx.admin.list(pod, token))
 
 
 def _touched(ctx: Context, pods) -> None:
     """After acting on pods, their snapshots are stale."""
     for pod in pods:
-        ctx.snapshots.pop(getattr(pod, "address", pod), None)
+        ctx.snapshots.drop(getattr(pod, "address", pod))
 
 
 async def _act(ctx: Context, pods, call) -> dict[str, AdminError]:

@@ -78,13 +78,13 @@ async def s3_client(ctx: Context, namespace: str, spec: BaseSpec):
         storage.region,
         hashlib.sha256(repr(sorted(kwargs.items())).encode()).hexdigest(),
     )
-    if key not in ctx.s3_clients:
-        session = boto3.session.Session(**kwargs)
-        region = storage.region or "us-east-1"
-        ctx.s3_clients[key] = session.client(
+    region = storage.region or "us-east-1"
+    return ctx.s3_clients.get(
+        key,
+        lambda: boto3.session.Session(**kwargs).client(
             "s3", endpoint_url=storage.endpoint, region_name=region, config=config
-        )
-    return ctx.s3_clients[key]
+        ),
+    )
 
 
 async def check_base_policy(ctx: Context, namespace: str, base: dict, spec: BaseSpec) -> str:
@@ -169,15 +169,8 @@ async def validate(
     fingerprint = hashlib.sha256(b"".join(sorted(keys.values()))).hexdigest()
     source = (base.storage.endpoint, base.storage.region, base.storage.credentials)
     key = (adapter.uri, adapter.manifest_digest, base.model_sha256, base.engine.max_rank, fingerprint, source)
-    if key in ctx.validated:
-        return ctx.validated[key]
-    running = ctx.inflight.get(key)
-    if running is None:  # one S3 read per source, however many adapters ask at once
-        running = ctx.inflight[key] = asyncio.ensure_future(_fetch(ctx, namespace, base, adapter, keys))
-        running.add_done_callback(lambda _: ctx.inflight.pop(key, None))
-    verified = await asyncio.shield(running)
-    ctx.remember_validation(key, verified)
-    return verified
+    # one S3 read per source, however many adapters ask at once
+    return await ctx.validations.get(key, lambda: _fetch(ctx, namespace, base, adapter, keys))
 
 
 async def _fetch(

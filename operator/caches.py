@@ -1,0 +1,139 @@
+"""The operator's in-memory caches. Each saves work for one module, none is a source of truth, and all are
+rebuilt after a restart: state lives in the API (specs, status) and in the pods (GET /admin/adapters).
+
+| cache | owner | holds |
+|---|---|---|
+| ``SharedResults`` | validation.py | verified manifests by validation key; concurrent asks share one S3 read |
+| ``Memo`` | validation.py | boto3 clients by (endpoint, region, credentials hash) |
+| ``Snapshots`` | reconcile_adapter.py | each pod's adapter listing, shared for ``poll_interval`` seconds |
+| ``Fingerprints`` | handlers.py | what a base's adapters care about (generation, ready pods, base hash) |
+| ``StatusEcho`` | publish.py | the object our last status patch returned, newer than the watch's copy |
+| ``Backoff`` | context.py | consecutive failures per key, for exponential retry delays |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+MAX_ENTRIES = 4096  # far above what one namespace holds; a bound so a churn of names cannot grow memory
+
+
+@dataclass(slots=True)
+class SharedResults(Generic[K, V]):
+    """Finished results in LRU order, and the one running fetch per key that concurrent callers share."""
+
+    max_entries: int = MAX_ENTRIES
+    _done: OrderedDict[K, V] = field(default_factory=OrderedDict)
+    _running: dict[K, asyncio.Future] = field(default_factory=dict)
+
+    async def get(self, key: K, fetch: Callable[[], Awaitable[V]]) -> V:
+        if key in self._done:
+            self._done.move_to_end(key)
+            return self._done[key]
+        running = self._running.get(key)
+        if running is None:
+            running = self._running[key] = asyncio.ensure_future(fetch())
+            running.add_done_callback(lambda _: self._running.pop(key, None))
+        value = await asyncio.shield(running)  # one caller's cancellation must not cancel the others' fetch
+        self._done[key] = value
+        self._done.move_to_end(key)
+        while len(self._done) > self.max_entries:
+            self._done.popitem(last=False)
+        return value
+
+    def __len__(self) -> int:
+        return len(self._done)
+
+
+@dataclass(slots=True)
+class Memo(Generic[K, V]):
+    """Values that are costly to build and never go stale (clients)."""
+
+    _values: dict[K, V] = field(default_factory=dict)
+
+    def get(self, key: K, make: Callable[[], V]) -> V:
+        if key not in self._values:
+            self._values[key] = make()
+        return self._values[key]
+
+
+@dataclass(slots=True)
+class Snapshots(Generic[K, V]):
+    """One listing per key, shared by every caller for ``max_age`` seconds, dropped when we act on the key."""
+
+    max_entries: int = MAX_ENTRIES
+    _taken: dict[K, tuple[float, asyncio.Future]] = field(default_factory=dict)
+
+    async def get(self, key: K, max_age: float, take: Callable[[], Awaitable[V]]) -> V:
+        now = asyncio.get_running_loop().time()
+        taken = self._taken.get(key)
+        if taken is None or now - taken[0] >= max_age:
+            if len(self._taken) > self.max_entries:
+                self._taken.clear()
+            taken = self._taken[key] = (now, asyncio.ensure_future(take()))
+        return await asyncio.shield(taken[1])
+
+    def drop(self, key: K) -> None:
+        self._taken.pop(key, None)
+
+
+@dataclass(slots=True)
+class Fingerprints(Generic[K]):
+    _seen: dict[K, Any] = field(default_factory=dict)
+
+    def changed(self, key: K, fingerprint: Any) -> bool:
+        """True (and remembered) when ``fingerprint`` differs from the last one seen for ``key``."""
+        if self._seen.get(key) == fingerprint:
+            return False
+        self._seen[key] = fingerprint
+        return True
+
+
+@dataclass(slots=True)
+class StatusEcho:
+    """What our own status patches returned: a watch event can arrive older than our last write."""
+
+    _latest: dict[str, dict] = field(default_factory=dict)
+
+    def remember(self, path: str, written: dict) -> None:
+        self._latest[path] = written
+
+    def forget(self, path: str) -> None:
+        self._latest.pop(path, None)
+
+    def newest(self, path: str, body: dict) -> dict:
+        """``body`` (from the watch), or what our last status patch returned if that is newer."""
+        mine = self._latest.get(path)
+        if mine is None:
+            return body
+        theirs_rv = str(body.get("metadata", {}).get("resourceVersion", ""))
+        mine_rv = str(mine.get("metadata", {}).get("resourceVersion", ""))
+        if theirs_rv.isdigit() and mine_rv.isdigit() and int(mine_rv) > int(theirs_rv):
+            return mine
+        self._latest.pop(path, None)
+        return body
+
+
+@dataclass(slots=True)
+class Backoff(Generic[K]):
+    _failures: dict[K, int] = field(default_factory=dict)
+
+    def delay(self, key: K, failed: bool, *, steady: float, first: float, longest: float) -> float:
+        """Exponential from ``first`` up to ``longest`` while failing; ``steady`` ±10% after a success, so
+        thousands of daemons started together do not check their pods in bursts."""
+        if not failed:
+            self._failures.pop(key, None)
+            return steady * random.uniform(0.9, 1.1)
+        count = self._failures[key] = self._failures.get(key, 0) + 1
+        return min(longest, first * 2 ** (count - 1))
+
+    def reset(self, key: K) -> None:
+        self._failures.pop(key, None)

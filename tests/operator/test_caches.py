@@ -1,0 +1,90 @@
+"""The operator's caches: shared fetches, bounds, ages, and the order of status echoes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from loraplane.operator.caches import Backoff, Fingerprints, Memo, SharedResults, Snapshots, StatusEcho
+
+
+async def test_concurrent_asks_share_one_fetch_and_results_stay_bounded():
+    cache: SharedResults[str, int] = SharedResults(max_entries=2)
+    calls: list[str] = []
+
+    async def fetch(key: str) -> int:
+        calls.append(key)
+        await asyncio.sleep(0.01)
+        return len(calls)
+
+    results = await asyncio.gather(*(cache.get("a", lambda: fetch("a")) for _ in range(5)))
+    assert results == [1] * 5 and calls == ["a"]
+    await cache.get("b", lambda: fetch("b"))
+    await cache.get("a", lambda: fetch("a"))  # a hit refreshes "a", so "b" is the oldest
+    await cache.get("c", lambda: fetch("c"))
+    assert len(cache) == 2
+    await cache.get("b", lambda: fetch("b"))  # evicted: fetched again
+    assert calls == ["a", "b", "c", "b"]
+
+
+async def test_a_failed_fetch_is_not_remembered():
+    cache: SharedResults[str, int] = SharedResults()
+    attempts = 0
+
+    async def flaky() -> int:
+        nonlocal attempts
+        attempts += 1
+        if attempts == 1:
+            raise RuntimeError("S3 down")
+        return 7
+
+    try:
+        await cache.get("k", flaky)
+    except RuntimeError:
+        pass
+    assert await cache.get("k", flaky) == 7 and attempts == 2
+
+
+async def test_snapshots_are_shared_until_they_age_or_are_dropped():
+    snaps: Snapshots[str, int] = Snapshots()
+    taken = 0
+
+    async def take() -> int:
+        nonlocal taken
+        taken += 1
+        return taken
+
+    assert await snaps.get("pod", 60.0, take) == 1
+    assert await snaps.get("pod", 60.0, take) == 1
+    snaps.drop("pod")
+    assert await snaps.get("pod", 60.0, take) == 2
+    assert await snaps.get("pod", 0.0, take) == 3  # max_age 0: always fresh
+
+
+def test_memo_builds_once_and_fingerprints_report_changes_once():
+    memo: Memo[str, object] = Memo()
+    first = memo.get("k", object)
+    assert memo.get("k", object) is first
+    prints: Fingerprints[str] = Fingerprints()
+    assert prints.changed("base", (1, 2)) and not prints.changed("base", (1, 2))
+    assert prints.changed("base", (2, 2))
+
+
+def test_status_echo_prefers_the_newer_resource_version():
+    echo = StatusEcho()
+    watch = {"metadata": {"resourceVersion": "10"}, "status": {"old": True}}
+    assert echo.newest("p", watch) is watch
+    mine = {"metadata": {"resourceVersion": "12"}, "status": {"old": False}}
+    echo.remember("p", mine)
+    assert echo.newest("p", watch) is mine
+    newer = {"metadata": {"resourceVersion": "13"}}
+    assert echo.newest("p", newer) is newer
+    assert echo.newest("p", watch) is watch  # the echo was dropped once the watch caught up
+
+
+def test_backoff_doubles_while_failing_and_resets_on_success():
+    b: Backoff[str] = Backoff()
+    delays = [b.delay("k", True, steady=30, first=5, longest=40) for _ in range(5)]
+    assert delays == [5, 10, 20, 40, 40]
+    steady = b.delay("k", False, steady=30, first=5, longest=40)
+    assert 27 <= steady <= 33
+    assert b.delay("k", True, steady=30, first=5, longest=40) == 5
