@@ -110,6 +110,8 @@ def server_args(spec: BaseSpec, admin_token_key_: str, api_keys: bool) -> list[s
         f"--max-num-seqs={eng.max_num_seqs}",
         f"--dtype={eng.dtype}",
     ]
+    if spec.tensor_parallel_size > 1:
+        args.append(f"--tensor-parallel-size={spec.tensor_parallel_size}")
     if spec.trusted_keys_secret:
         args.append(f"--trusted-keys-dir={TRUSTED_KEYS_DIR}")
     if api_keys:
@@ -154,6 +156,10 @@ def _volumes(base: dict, spec: BaseSpec) -> tuple[list[dict], list[dict]]:
         {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
         {"name": "tmp", "mountPath": "/tmp"},
     ]
+    if spec.tensor_parallel_size > 1:
+        # NCCL's intra-node transport lives in /dev/shm; the runtime's 64 MB default is too small for it.
+        volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     for name, secret, path in (
         ("trusted-keys", spec.trusted_keys_secret, TRUSTED_KEYS_DIR),
         ("api-keys", spec.api_keys_secret, API_KEYS_DIR),

@@ -36,7 +36,7 @@ QUANTITY_PATTERN = r"^[0-9]+(Ki|Mi|Gi|Ti|K|M|G|T)?$"
 DEFAULT_IMAGE = "ghcr.io/loraplane/loraplane-server:0.1.0"
 DEFAULT_REPLICAS = 1
 MAX_REPLICAS = 256
-DEFAULT_GPUS = 1
+MAX_TENSOR_PARALLEL = 8  # GPUs of one node; multi-node serving is out of scope
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
 DEFAULT_MAX_RANK = 64
 MAX_RANK_LIMIT = 512
@@ -95,7 +95,13 @@ class ModelRef(ApiModel):
 class Resources(ApiModel):
     """Compute per pod."""
 
-    gpus: int = Field(DEFAULT_GPUS, ge=0, le=16, description="GPUs per pod.")
+    gpus: int | None = Field(
+        None,
+        ge=0,
+        le=16,
+        description="GPUs per pod. Absent: tensorParallelSize (one GPU per rank). 0 runs the engine on CPU; "
+        "any other value must equal tensorParallelSize.",
+    )
     gpu_resource: str = Field(DEFAULT_GPU_RESOURCE, description="Extended resource name of a GPU.")
     cpu: str | None = Field(None, description="CPU request and limit, a Kubernetes quantity (for example 8).")
     memory: str | None = Field(
@@ -219,9 +225,23 @@ FreeForm = dict[str, Any]  # a core/v1 type passed to the pod spec unchanged
 class LoRABaseSpec(ApiModel):
     """Desired state of a pool of GPU server pods sharing one base model."""
 
+    RULES = (
+        Rule("!has(self.resources) || !has(self.resources.gpus) || self.resources.gpus == 0"
+             " || self.resources.gpus == self.tensorParallelSize",
+             "must equal tensorParallelSize (one GPU per tensor-parallel rank), be 0 (CPU) or be absent",
+             lambda spec: spec.resources.gpus in (None, 0, spec.tensor_parallel_size), ".resources.gpus"),
+    )  # fmt: skip
     model: ModelRef
     replicas: int = Field(DEFAULT_REPLICAS, ge=0, le=MAX_REPLICAS, description="Number of server pods.")
     image: str = Field(DEFAULT_IMAGE, min_length=1, description="Server container image.")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=MAX_TENSOR_PARALLEL,
+        description="Tensor-parallel ranks per pod: each pod runs `loraplane serve --tensor-parallel-size N` "
+        "and requests N GPUs, all on one node (one pod never spans nodes; multi-node serving is not supported). "
+        "Pods with N > 1 get a memory-backed /dev/shm for NCCL.",
+    )
     resources: Resources = Field(default_factory=Resources)
     engine: EngineSpec = Field(default_factory=EngineSpec)
     host_cache: HostCache = Field(default_factory=HostCache)
@@ -238,7 +258,9 @@ class LoRABaseSpec(ApiModel):
     # The flat names the builders and reconcilers read.
     model_uri = property(lambda self: self.model.uri)
     model_sha256 = property(lambda self: self.model.sha256)
-    gpus = property(lambda self: self.resources.gpus)
+    gpus = property(
+        lambda self: self.tensor_parallel_size if self.resources.gpus is None else self.resources.gpus
+    )
     gpu_resource = property(lambda self: self.resources.gpu_resource)
     cpu = property(lambda self: self.resources.cpu)
     memory = property(lambda self: self.resources.memory)

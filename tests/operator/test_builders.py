@@ -117,6 +117,36 @@ def test_spec_change_changes_template_hash_and_nothing_else_does():
     assert deployment(scaled)["spec"]["template"]["metadata"]["annotations"][B.TEMPLATE_HASH] == first
 
 
+@pytest.mark.parametrize(
+    "spec, gpus, tp_arg",
+    [
+        ({}, "1", None),
+        ({"tensorParallelSize": 4}, "4", "--tensor-parallel-size=4"),
+        ({"tensorParallelSize": 2, "resources": {"gpus": 2, "gpuResource": "amd.com/gpu"}}, "2",
+         "--tensor-parallel-size=2"),
+    ],
+)  # fmt: skip
+def test_tensor_parallel_pod_gets_its_gpus_args_and_shm(spec, gpus, tp_arg):
+    b = base(**spec)
+    pod = deployment(b)["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    resource = spec.get("resources", {}).get("gpuResource", "nvidia.com/gpu")
+    assert c["resources"]["requests"][resource] == c["resources"]["limits"][resource] == gpus
+    assert [a for a in c["args"] if a.startswith("--tensor-parallel-size")] == ([tp_arg] if tp_arg else [])
+    shm = [v for v in pod["volumes"] if v.get("emptyDir", {}).get("medium") == "Memory"]
+    mounted = {m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"}
+    if tp_arg:
+        assert len(shm) == 1 and mounted == {shm[0]["name"]}
+    else:
+        assert shm == [] and mounted == set()
+
+
+def test_cpu_tensor_parallel_requests_no_gpu():
+    c = container(deployment(base(tensorParallelSize=2, resources={"gpus": 0})))
+    assert not any("gpu" in key for key in c["resources"]["limits"])
+    assert "--tensor-parallel-size=2" in c["args"]
+
+
 def test_host_cache_and_scheduling():
     b = base(
         hostCache={"type": "hostPath", "path": "/mnt/lora", "sizeLimit": "10Gi"},
@@ -154,6 +184,11 @@ def test_services_split_openai_and_admin_ports():
             "spec.engine.gpuAdapterBytes",
         ),
         ({"model": {"uri": "x", "sha256": SHA}, "hostCache": {"type": "hostPath"}}, "spec.hostCache.path"),
+        ({"model": {"uri": "x", "sha256": SHA}, "tensorParallelSize": 16}, "spec.tensorParallelSize"),
+        (
+            {"model": {"uri": "x", "sha256": SHA}, "tensorParallelSize": 2, "resources": {"gpus": 1}},
+            "spec.resources.gpus",
+        ),
     ],
 )
 def test_bad_base_spec_names_the_field(spec, field):

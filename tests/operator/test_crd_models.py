@@ -65,6 +65,10 @@ INVALID = [
     (BASE, "spec.replicas", "3", "spec.replicas"),
     (BASE, "spec.image", "", "spec.image"),
     (BASE, "spec.resources.gpus", 17, "spec.resources.gpus"),
+    (BASE, "spec.tensorParallelSize", 0, "spec.tensorParallelSize"),
+    (BASE, "spec.tensorParallelSize", 9, "spec.tensorParallelSize"),
+    (BASE, "spec.tensorParallelSize", "2", "spec.tensorParallelSize"),
+    (BASE, "spec.resources.gpus", 2, "spec.resources.gpus"),  # CEL: one GPU per rank (tensorParallelSize 1)
     (BASE, "spec.engine.maxRank", 0, "spec.engine.maxRank"),
     (BASE, "spec.engine.maxRank", 513, "spec.engine.maxRank"),
     (BASE, "spec.engine.kvCacheFraction", 0.99, "spec.engine.kvCacheFraction"),
@@ -134,6 +138,18 @@ def test_test_fixtures_parse():
     for obj in fixtures:
         assert server_errors(obj["kind"], obj) == []
         MODELS[obj["kind"]].parse(obj)
+
+
+def test_gpus_follow_tensor_parallel_size_unless_set():
+    obj = with_(BASE, "spec.tensorParallelSize", 4)
+    assert server_errors(BASE, obj) == []
+    assert LoRABase.parse(obj).spec.gpus == 4
+    obj["spec"]["resources"]["gpus"] = 0  # the engine on CPU (gloo)
+    assert server_errors(BASE, obj) == []
+    assert LoRABase.parse(obj).spec.gpus == 0
+    obj["spec"]["resources"]["gpus"] = 2
+    assert server_errors(BASE, obj)[0][0] == "spec.resources.gpus"
+    assert model_error(obj).field == "spec.resources.gpus"
 
 
 def test_parsed_values_and_defaults():
