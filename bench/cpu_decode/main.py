@@ -33,7 +33,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--with-before",
         action="store_true",
-        help="add a row for the engine with its previous CPU attention (K/V copied per q head, a mask per step)",
+        help="add a row for the engine with its previous CPU gathers (indexed K/V, cos/sin; masked KV stores)",
     )
     return p.parse_args(argv)
 
@@ -97,32 +97,48 @@ def run_hf(model, prompt_ids: list[int], new_tokens: int) -> tuple[dict, list[in
     return _summary(t0, streamer.times), streamer.tokens
 
 
-def _attention_before(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The engine's CPU span attention before SDPA's GQA was used: K/V repeated per q head, a mask always."""
-    import torch.nn.functional as F
+def _prefill_before(q, k, v, k_cache, v_cache, meta, scale, out) -> None:
+    """The engine's CPU context gather before index_select: advanced indexing, twice per layer."""
+    from loraplane.server.engine.attention import _sdpa_span
 
-    n, L = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1).unsqueeze(0)
-    kh = k.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    vh = v.repeat_interleave(group, dim=1).transpose(0, 1).unsqueeze(0)
-    if n == L:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
-    else:
-        mask = torch.arange(L)[None, :] <= torch.arange(L - n, L)[:, None]
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)
-    return out.squeeze(0).transpose(0, 1)
+    H, D = k.shape[1], k.shape[2]
+    k_ctx = v_ctx = None
+    if meta.gather_slots is not None and meta.gather_slots.numel():
+        k_ctx = k_cache.view(-1, H, D)[meta.gather_slots]
+        v_ctx = v_cache.view(-1, H, D)[meta.gather_slots]
+    for s in meta.prefill:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        if s.gather_start < 0:
+            ks, vs = k[rows], v[rows]
+        else:
+            ctx = slice(s.gather_start, s.gather_start + s.ctx_len)
+            ks, vs = k_ctx[ctx], v_ctx[ctx]
+        out[rows] = _sdpa_span(q[rows], ks, vs, scale)
+
+
+def _rope_and_store_before(qkv, num_q, num_kv, positions, cos, sin, k_cache, v_cache, slot_mapping) -> None:
+    """The engine's CPU rope + KV store before index_select: indexed cos/sin, a boolean mask on every store."""
+    c = cos[positions].to(qkv.dtype)[:, None, :].repeat(1, 1, 2)
+    s = sin[positions].to(qkv.dtype)[:, None, :].repeat(1, 1, 2)
+    qk = qkv[:, : num_q + num_kv]
+    half = qk.shape[-1] // 2
+    qk.copy_(qk * c + torch.cat((-qk[..., half:], qk[..., :half]), dim=-1) * s)
+    if k_cache.numel() > 0:
+        keep = slot_mapping >= 0
+        slots, k, v = slot_mapping[keep], qkv[keep, num_q : num_q + num_kv], qkv[keep, num_q + num_kv :]
+        k_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slots, k)
+        v_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slots, v)
 
 
 def run_engine_before(engine, prompt_ids: list[int], new_tokens: int) -> tuple[dict, list[int]]:
-    from loraplane.server.engine import attention
+    from loraplane.server.engine import attention, model
 
-    current = attention._sdpa_span_cpu
-    attention._sdpa_span_cpu = _attention_before
+    current = attention._prefill, model.rope_and_store_kv
+    attention._prefill, model.rope_and_store_kv = _prefill_before, _rope_and_store_before
     try:
         return run_engine(engine, prompt_ids, new_tokens)
     finally:
-        attention._sdpa_span_cpu = current
+        attention._prefill, model.rope_and_store_kv = current
 
 
 def profile_engine(engine, prompt_ids: list[int], new_tokens: int, top: int = 15) -> list[dict]:
@@ -171,7 +187,7 @@ def run(argv: list[str]) -> dict:
     run_hf(hf, prompt_ids, 8)
     runners = {"engine": lambda: run_engine(engine, prompt_ids, args.new_tokens)}
     if args.with_before:
-        runners["engine, attention before"] = lambda: run_engine_before(engine, prompt_ids, args.new_tokens)
+        runners["engine, gathers before"] = lambda: run_engine_before(engine, prompt_ids, args.new_tokens)
     runners["transformers"] = lambda: run_hf(hf, prompt_ids, args.new_tokens)
     results: dict[str, list[dict]] = {name: [] for name in runners}
     outputs = {}

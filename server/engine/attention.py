@@ -110,8 +110,9 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
     H, D = k.shape[1], k.shape[2]
     k_ctx = v_ctx = None
     if meta.gather_slots is not None and meta.gather_slots.numel():
-        k_ctx = k_cache.view(-1, H, D)[meta.gather_slots]  # [sum ctx, Hkv, D]
-        v_ctx = v_cache.view(-1, H, D)[meta.gather_slots]
+        # index_select copies whole rows; advanced indexing ([slots]) costs 10-30x more on the CPU at 2 threads
+        k_ctx = k_cache.view(-1, H, D).index_select(0, meta.gather_slots)  # [sum ctx, Hkv, D]
+        v_ctx = v_cache.view(-1, H, D).index_select(0, meta.gather_slots)
     for s in meta.prefill:
         rows = slice(s.q_start, s.q_start + s.q_len)
         if s.gather_start < 0:

@@ -131,8 +131,8 @@ def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_
 
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, D]; cos/sin: [max_pos, D/2] fp32 -> rotated x (neox / HF rotate_half layout)."""
-    c = cos[positions].to(x.dtype)[:, None, :].repeat(1, 1, 2)  # [T, 1, D]
-    s = sin[positions].to(x.dtype)[:, None, :].repeat(1, 1, 2)
+    c = cos.index_select(0, positions).to(x.dtype)[:, None, :].repeat(1, 1, 2)  # [T, 1, D]
+    s = sin.index_select(0, positions).to(x.dtype)[:, None, :].repeat(1, 1, 2)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * c + rotated * s
@@ -148,8 +148,10 @@ def rope_and_store_kv(qkv: torch.Tensor, num_q: int, num_kv: int, positions: tor
         qk = qkv[:, : num_q + num_kv]
         qk.copy_(rope_ref(qk, positions, cos, sin))
         if store:
+            slots, k, v = slot_mapping, qkv[:, num_q : num_q + num_kv], qkv[:, num_q + num_kv :]
             keep = slot_mapping >= 0  # [T] rows that store (a warm-up forward stores nothing)
-            slots, k, v = slot_mapping[keep], qkv[keep, num_q : num_q + num_kv], qkv[keep, num_q + num_kv :]
+            if not bool(keep.all()):  # the mask costs a nonzero and three gathers per layer: only when needed
+                slots, k, v = slots[keep], k[keep], v[keep]
             k_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slots, k)
             v_cache.view(-1, num_kv, qkv.shape[-1]).index_copy_(0, slots, v)
         return
