@@ -198,7 +198,7 @@ def run_engine_e2e(runner: ModelRunner, engine_cfg: EngineConfig) -> dict:
     each: list[tuple[str, int, float]] = []  # (kind, tokens, ms) per step
     execute = runner.execute
 
-    def timed_execute(batch):  # execute() ends in a host transfer, so wall time is device time + host prep
+    def timed_execute(batch):  # execute() ends in a host transfer, so wall time is GPU time + host prep
         t = time.perf_counter()
         out = execute(batch)
         kind = "decode" if batch.is_decode_only else "mixed"

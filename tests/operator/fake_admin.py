@@ -4,8 +4,8 @@ Each ``FakePod`` is a threaded stdlib HTTP server on its own loopback address (1
 shared admin port, so a pod's ``status.podIP`` is all the operator needs, as with real pods.
 Failures (``pod.fail``): ``refuse`` (server stopped: connection refused), ``500``, ``hang``
 (never answers within the client's timeout), ``wrong_base`` (refuses every load: BaseMismatch),
-``warm_fail:<version>`` (that version fails to warm), ``slow_warm:<seconds>`` (loads answer 202
-until that much time has passed since the first PUT).
+``warm_fail:<version>`` (that version fails to warm), ``hold_warm`` (loads answer 202 until the test
+clears ``fail``: no timing involved).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
@@ -25,7 +25,6 @@ class Entry:
     digest: str
     uri: str
     state: str = "warm"
-    first_put: float = field(default_factory=time.monotonic)
 
 
 class FakePod:
@@ -115,10 +114,9 @@ class FakePod:
         if entry is None:
             entry = Entry(name, version, body.get("manifest_digest", ""), body.get("uri", ""))
             self.entries[key] = entry
-        if self.fail and self.fail.startswith("slow_warm:"):
-            if time.monotonic() - entry.first_put < float(self.fail.split(":", 1)[1]):
-                entry.state = "loaded"
-                return 202, self._view(entry)
+        if self.fail == "hold_warm":
+            entry.state = "loaded"
+            return 202, self._view(entry)
         entry.state = "warm"
         if name not in self.alias:
             self.alias[name] = version
