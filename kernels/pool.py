@@ -174,7 +174,11 @@ class LoRAPool:
         max_adapters: int | None = None,
         dtype: torch.dtype = torch.bfloat16,
         device: torch.device | str = "cpu",
+        buffers: tuple[dict, dict] | None = None,
     ) -> None:
+        """``buffers``: (a, bt) dicts of existing tensors, keyed and shaped as the pool's own would be (any
+        row stride: views over memory the caller owns); the pool then has their row count of pages and
+        allocates nothing. A subclass may hand out pages its own way (``_take_pages``, ``_give_pages``)."""
         if not modules or not all(isinstance(s, ModuleSpec) for s in modules.values()):
             raise ValueError("modules must map names to ModuleSpec")
         if num_layers <= 0:
@@ -191,6 +195,8 @@ class LoRAPool:
         self.device = resolve_device(device)
         self.page_bytes = self.page_bytes_for(modules, num_layers, page_rank, dtype)
         self.num_pages = int(budget_bytes) // self.page_bytes
+        if buffers is not None:
+            self.num_pages = next(iter(buffers[1].values())).shape[0] // page_rank
         if self.num_pages < 1:
             raise ValueError(
                 f"budget_bytes={budget_bytes} holds no page (one page of {page_rank} rank-rows costs {self.page_bytes} B)"
@@ -200,16 +206,10 @@ class LoRAPool:
             raise ValueError(f"max_adapters must be positive, got {self.max_adapters}")
         rows = self.num_pages * page_rank
         kw = dict(dtype=dtype, device=self.device)
-        self.a = {
-            (l, name): torch.zeros(spec.num_slices, rows, spec.in_dim, **kw)
-            for l in range(num_layers)
-            for name, spec in modules.items()
-        }
-        self.bt = {
-            (l, name): torch.zeros(rows, spec.out_total, **kw)
-            for l in range(num_layers)
-            for name, spec in modules.items()
-        }
+        if buffers is not None:
+            self.a, self.bt = self._checked_buffers(buffers, rows)
+        else:
+            self._allocate_buffers(rows, kw)
         self.page_table = torch.zeros(
             self.max_adapters, self.max_pages, dtype=torch.int32, device=self.device
         )
@@ -222,6 +222,32 @@ class LoRAPool:
         self._rank: dict[int, int] = {}
         self._scale: dict[int, float] = {}
         self._starts: dict[str, torch.Tensor] = {}
+
+    def _allocate_buffers(self, rows: int, kw: dict) -> None:
+        specs = self.modules
+        self.a = {
+            (l, m): torch.zeros(specs[m].num_slices, rows, specs[m].in_dim, **kw) for l, m in self._keys()
+        }
+        self.bt = {(l, m): torch.zeros(rows, specs[m].out_total, **kw) for l, m in self._keys()}
+
+    def _checked_buffers(self, buffers: tuple[dict, dict], rows: int) -> tuple[dict, dict]:
+        a, bt = buffers
+        for key, spec in ((k, self.modules[k[1]]) for k in self._keys()):
+            ta, tb = a.get(key), bt.get(key)
+            ok = ta is not None and tb is not None
+            ok = (
+                ok and ta.shape == (spec.num_slices, rows, spec.in_dim) and tb.shape == (rows, spec.out_total)
+            )
+            ok = ok and ta.dtype == tb.dtype == self.dtype and ta.device == tb.device == self.device
+            if not ok or ta.stride(2) != 1 or tb.stride(1) != 1:
+                raise ValueError(
+                    f"buffers {key}: need a [{spec.num_slices}, {rows}, {spec.in_dim}] and bt [{rows}, "
+                    f"{spec.out_total}], {self.dtype} on {self.device}, contiguous along the last dim"
+                )
+        return dict(a), dict(bt)
+
+    def _keys(self) -> list[tuple[int, str]]:
+        return [(l, name) for l in range(self.num_layers) for name in self.modules]
 
     @staticmethod
     def page_bytes_for(
@@ -305,15 +331,15 @@ class LoRAPool:
         need = self.pages_for_rank(rank)
         if not self._free_slots:
             raise PoolFullError(f"no free adapter slot (max_adapters={self.max_adapters})")
-        if need > len(self._free_pages):
-            raise PoolFullError(f"rank {rank} needs {need} pages, {len(self._free_pages)} free")
+        if need > self.free_pages:
+            raise PoolFullError(f"rank {rank} needs {need} pages, {self.free_pages} free")
         if slot is None:
             slot = self._free_slots.pop()
         elif slot in self._free_slots:
             self._free_slots.remove(slot)
         else:
             raise PoolFullError(f"slot {slot!r} is not a free slot of this pool")
-        pages = [self._free_pages.pop() for _ in range(need)]
+        pages = self._take_pages(need)
         self._pages[slot], self._rank[slot], self._scale[slot] = pages, rank, float(scale)
         row = torch.zeros(self.max_pages, dtype=torch.int32)
         row[:need] = torch.tensor(pages, dtype=torch.int32)
@@ -328,7 +354,7 @@ class LoRAPool:
     def free(self, slot: int) -> None:
         """Return the adapter's pages and slot. Its data stays until the pages are reused."""
         self._check_slot(slot)
-        self._free_pages.extend(reversed(self._pages.pop(slot)))
+        self._give_pages(self._pages.pop(slot))
         del self._rank[slot], self._scale[slot]
         self.ranks[slot] = 0
         self.scales[slot] = 0.0
@@ -361,6 +387,12 @@ class LoRAPool:
         bt[:, c0 : c0 + width].index_copy_(0, rows, b.t().to(self.device, self.dtype))
         if a.shape[0] < rank:
             bt[:, c0 : c0 + width].index_fill_(0, self.rows_of(slot)[a.shape[0] :], 0)
+
+    def _take_pages(self, need: int) -> list[int]:
+        return [self._free_pages.pop() for _ in range(need)]
+
+    def _give_pages(self, pages: list[int]) -> None:
+        self._free_pages.extend(reversed(pages))
 
     def _check_slot(self, slot: int) -> None:
         if slot not in self._rank:

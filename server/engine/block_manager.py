@@ -7,6 +7,11 @@ identity (its manifest digest, "" for the base), because an adapter changes the 
 A later sequence whose leading blocks hash the same shares them (refcounted) instead of recomputing them.
 A block nobody holds goes back to the free list but keeps its content and hash until it is reused: free
 blocks are taken least recently freed first, empty ones before cached ones.
+
+With a ``UnifiedMemory`` the blocks are not all KV from the start: the block manager takes a chunk of blocks
+from it when its free list runs dry, gives back (on request) chunks none of whose blocks it holds, dropping
+their cached prefixes, and ``make_room`` asks the adapter side to evict idle adapters before the scheduler
+preempts anyone.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from array import array
 from collections import OrderedDict
 
 from .sequence import Sequence
+from .unified_memory import KV, UnifiedMemory
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -24,8 +30,9 @@ class NoFreeBlocksError(RuntimeError):
 
 class BlockManager:
     def __init__(
-        self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_prefix_caching: bool = False
-    ) -> None:
+        self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_prefix_caching: bool = False,
+        memory: UnifiedMemory | None = None,
+    ) -> None:  # fmt: skip
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -37,8 +44,17 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         # Kept free when admitting new sequences so running ones can still grow by a block without preempting.
         self.watermark_blocks = int(watermark * num_blocks)
+        if memory is not None and memory.num_blocks != num_blocks:
+            raise ValueError(
+                f"num_blocks: {num_blocks} differs from the unified memory's {memory.num_blocks}"
+            )
+        self.memory = memory
         self.ref_counts = [0] * num_blocks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # taken from the front
+        # taken from the front; with a unified memory, only the blocks of its KV chunks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks if memory is None else 0))
+        if memory is not None:
+            self._chunk_used = [0] * memory.num_chunks  # held blocks per chunk
+            memory.kv_idle, memory.kv_release = self._num_idle_chunks, self._release_idle_chunks
         self._hash_of: list[bytes | None] = [None] * num_blocks  # the content a block holds, if registered
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_queried_tokens = 0  # prompt tokens looked up at admission
@@ -46,7 +62,14 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Free KV blocks, plus those of FREE chunks of a unified memory (KV takes them on demand)."""
+        if self.memory is None:
+            return len(self._free)
+        return len(self._free) + self.memory.num_free_chunks * self.memory.chunk_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(1 for count in self.ref_counts if count)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -84,9 +107,12 @@ class BlockManager:
                 f"seq {seq.seq_id} needs {missing} blocks for {num_tokens} tokens, {self.num_free_blocks} free"
             )
         for _ in range(missing):
+            if not self._free:
+                self._grow()
             block_id, _ = self._free.popitem(last=False)
             self._forget(block_id)  # its old content is overwritten from now on
             self.ref_counts[block_id] = 1
+            self._held(block_id, 1)
             seq.block_table.append(block_id)
 
     def share(self, src: Sequence, dst: Sequence) -> None:
@@ -105,11 +131,51 @@ class BlockManager:
                 raise RuntimeError(f"block {block_id} freed more often than allocated (seq {seq.seq_id})")
             self.ref_counts[block_id] = count - 1
             if count == 1:
+                self._held(block_id, -1)
                 self._free[block_id] = None
                 if self._hash_of[block_id] is None:  # nothing worth keeping: reuse it first
                     self._free.move_to_end(block_id, last=False)
         seq.block_table = []
         seq.num_cached_blocks = 0
+
+    # --- unified memory -------------------------------------------------------------------------------------
+    def make_room(self, num_blocks: int, keep: frozenset = frozenset()) -> bool:
+        """Whether ``num_blocks`` blocks are free, after asking the adapter side of a unified memory to evict
+        idle adapters (none in ``keep``: the adapters of queued and running requests) when they are not."""
+        short = num_blocks - self.num_free_blocks
+        if short > 0 and self.memory is not None:
+            chunks = -(-short // self.memory.chunk_blocks)
+            self.memory.reclaim_for_kv(self.memory.num_free_chunks + chunks, keep)
+        return num_blocks <= self.num_free_blocks
+
+    def _held(self, block_id: int, delta: int) -> None:
+        if self.memory is not None:
+            self._chunk_used[block_id // self.memory.chunk_blocks] += delta
+
+    def _grow(self) -> None:
+        blocks = self.memory.take_kv_chunk() if self.memory is not None else None
+        if blocks is None:
+            raise NoFreeBlocksError("no free KV block and no free chunk")
+        for block_id in reversed(blocks):  # empty: taken first, lowest id first
+            self._free[block_id] = None
+            self._free.move_to_end(block_id, last=False)
+
+    def _idle_chunks(self) -> list[int]:
+        memory = self.memory
+        return [u for u, used in enumerate(self._chunk_used) if not used and memory.kind[u] == KV]
+
+    def _num_idle_chunks(self) -> int:
+        return len(self._idle_chunks())
+
+    def _release_idle_chunks(self, count: int) -> int:
+        """Give up to ``count`` KV chunks nobody holds a block of back to the memory (their cache is lost)."""
+        released = self._idle_chunks()[::-1][:count]  # highest first: KV grows from the low end
+        for chunk in released:
+            for block_id in self.memory.blocks_of(chunk):
+                del self._free[block_id]
+                self._forget(block_id)
+            self.memory.give_kv_chunk(chunk)
+        return len(released)
 
     # --- prefix caching -------------------------------------------------------------------------------------
     def lookup(self, seq: Sequence) -> list[int]:
@@ -126,16 +192,21 @@ class BlockManager:
 
     def can_admit(self, seq: Sequence, hits: list[int], num_tokens: int, keep_watermark: bool) -> bool:
         """Whether seq, starting on its cached `hits`, can cover positions [0, num_tokens)."""
+        return self.blocks_to_admit(hits, num_tokens, keep_watermark) <= self.num_free_blocks
+
+    def blocks_to_admit(self, hits: list[int], num_tokens: int, keep_watermark: bool) -> int:
+        """Free blocks that admitting a sequence on its cached ``hits`` to cover [0, num_tokens) needs."""
         reserve = self.watermark_blocks if keep_watermark else 0
         revived = sum(1 for block_id in hits if self.ref_counts[block_id] == 0)  # taken off the free list
         missing = max(0, self.blocks_for(num_tokens) - len(hits))
-        return missing + revived <= self.num_free_blocks - reserve
+        return missing + revived + reserve
 
     def claim(self, seq: Sequence, hits: list[int]) -> None:
         """Start seq's block table with the cached blocks `hits` (from lookup())."""
         for block_id in hits:
             if self.ref_counts[block_id] == 0:
                 del self._free[block_id]
+                self._held(block_id, 1)
             self.ref_counts[block_id] += 1
         seq.block_table = list(hits)
         seq.num_cached_blocks = len(hits)

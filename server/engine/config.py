@@ -53,6 +53,10 @@ class EngineConfig:
     max_loras: int = 8
     lora_pool_bytes: int | None = None
     lora_host_bytes: int = 8 << 30  # pinned host RAM for parsed adapters (LRU)
+    # "split": KV blocks and the adapter pools have fixed sizes. "unified": one arena per layer holds both, and
+    # the share moves at run time (many adapters and short contexts: more adapters; long contexts: more KV).
+    # Same total memory either way. Tensor parallel serves only "split".
+    memory_mode: str = "split"
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path")
@@ -129,6 +133,16 @@ class EngineConfig:
         for name in ("max_lora_rank", "max_loras", "lora_host_bytes"):
             value = getattr(self, name)
             _require(_is_int(value) and value > 0, name, f"must be a positive int, got {value!r}")
+        _require(
+            self.memory_mode in ("split", "unified"),
+            "memory_mode",
+            f"must be 'split' or 'unified', got {self.memory_mode!r}",
+        )
+        _require(
+            self.memory_mode == "split" or self.tensor_parallel_size == 1,
+            "memory_mode",
+            "'unified' is served with tensor_parallel_size 1 only (tensor parallel keeps the split)",
+        )
         if self.lora_pool_bytes is not None:
             _require(
                 _is_int(self.lora_pool_bytes) and self.lora_pool_bytes > 0,

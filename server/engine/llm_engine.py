@@ -96,6 +96,7 @@ class LLMEngine:
             self.runner.num_kv_blocks,
             self.runner.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
+            memory=getattr(self.runner, "memory", None),  # unified: KV blocks come from the shared arena
         )
         self.scheduler = Scheduler(
             block_manager,

@@ -48,7 +48,7 @@ class _Version:
 class AdapterManager:
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
                  host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 graph_batch_size: int = 0) -> None:  # fmt: skip
+                 graph_batch_size: int = 0, gpu_tier: GpuTier | None = None) -> None:  # fmt: skip
         pool = next(iter(pools.values()))
         self.model_config, self.max_rank = model_config, max_rank
         self.dtype, self.device = pool.dtype, pool.device
@@ -56,7 +56,10 @@ class AdapterManager:
         self.versions: dict[str, _Version] = {}
         self.aliases: dict[str, str] = {}  # name -> serving version
         self.host = HostTier(host_bytes)
-        self.gpu = GpuTier(pools, self.device)
+        self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
+        if hasattr(self.gpu, "reclaim"):  # unified memory: KV may evict what nothing needs, under the lock
+            self.gpu.evictable = self._gpu_evictable
+            self.gpu.memory.adapter_reclaimer = self._reclaim_for_kv
         self.wanted: set[str] = set()  # requested toward the GPU and not there yet
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
@@ -212,6 +215,10 @@ class AdapterManager:
         if v is None:
             raise KeyError(key)
         return v.digest
+
+    def _reclaim_for_kv(self, num_free_chunks: int, keep: frozenset) -> None:
+        with self.lock:
+            self.gpu.reclaim(num_free_chunks, keep | self.wanted)
 
     # -- moving weights (engine thread) ------------------------------------------------------------------
     def _host_evictable(self, key: str) -> bool:

@@ -23,6 +23,7 @@ from .model import CausalLM
 from .model_config import ModelConfig
 from .residency import NullResidency
 from .sampler import SamplingMetadata, sample
+from .unified_pool import UnifiedGpuTier, build_unified, chunk_blocks_for
 from .weights import base_hash, load_model
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -110,6 +111,7 @@ class ModelRunner:
         else:
             self.model, self.base_hash = model, "in-memory"
         self.model.init_rope(self.max_model_len, self.device)
+        self.memory = None  # the unified memory when KV and adapters share one arena (memory_mode)
         self._init_lora()  # before KV sizing: the adapter pools come out of the same memory
         self.num_kv_blocks = self._num_kv_blocks(free_before)
         if tp is not None:  # TP hook: one block table for all ranks, so the same number of blocks
@@ -133,18 +135,29 @@ class ModelRunner:
         self.lora_state: LoRAStepState | None = None
         self.residency = NullResidency()
         cfg = self.config
+        if not cfg.enable_lora or cfg.memory_mode == "unified":
+            return  # unified: the pools are views over the KV arena, built with it (_allocate_kv_cache)
+        rows = self._lora_pool_bytes() // sum(pool_row_bytes(self.model_config, self.dtype).values())
+        self._attach_lora(build_pools(self.model_config, rows, cfg.max_lora_rank, self.dtype, self.device))
+
+    def _lora_pool_bytes(self) -> int:
+        """What the split adapter pools hold: lora_pool_bytes, else max_loras adapters of max rank everywhere."""
+        cfg = self.config
         if not cfg.enable_lora:
-            return
+            return 0
         row_bytes = sum(pool_row_bytes(self.model_config, self.dtype).values())
         rows = cfg.lora_pool_bytes // row_bytes if cfg.lora_pool_bytes else cfg.max_loras * cfg.max_lora_rank
-        pools = build_pools(self.model_config, rows, cfg.max_lora_rank, self.dtype, self.device)
+        return rows * row_bytes
+
+    def _attach_lora(self, pools, gpu_tier=None) -> None:
+        cfg = self.config
         graph_bs = 0
         if self.device.type == "cuda" and not cfg.enforce_eager:
             graph_bs = max((s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs), default=0)
         self.lora = AdapterManager(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
                                    host_bytes=cfg.lora_host_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs,
-                                   graph_batch_size=graph_bs)  # fmt: skip
+                                   graph_batch_size=graph_bs, gpu_tier=gpu_tier)  # fmt: skip
         self.lora_state = LoRAStepState(pools)
         wrap_model(self.model, self.lora_state)
         self.residency = self.lora
@@ -216,6 +229,17 @@ class ModelRunner:
         return torch.cuda.mem_get_info()[0]
 
     def _num_kv_blocks(self, free_before: int) -> int:
+        blocks = self._num_split_kv_blocks(free_before)
+        if self.config.memory_mode != "unified":
+            return blocks
+        # One arena for what the split would give KV and the adapter pools (on CUDA the pools were never
+        # allocated, so the profiled budget already holds them), in whole chunks.
+        if self.config.num_kv_blocks is not None or self.device.type != "cuda":
+            blocks += -(-self._lora_pool_bytes() // self.kv_block_bytes)
+        chunk = chunk_blocks_for(self.model_config, self.block_size)
+        return max(chunk, blocks // chunk * chunk)
+
+    def _num_split_kv_blocks(self, free_before: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type != "cuda":
@@ -248,6 +272,15 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         cfg = self.model_config
+        if self.config.memory_mode == "unified":  # k_cache = arena[0], v_cache = arena[1]: contiguous
+            lora = self.config.enable_lora
+            arenas, self.memory, pools = build_unified(cfg, self.num_kv_blocks, self.block_size,
+                                                       self.config.max_lora_rank, self.dtype, self.device, lora)  # fmt: skip
+            for layer, arena in zip(self.model.model.layers, arenas, strict=True):
+                layer.self_attn.k_cache, layer.self_attn.v_cache = arena[0], arena[1]
+            if lora:
+                self._attach_lora(pools, UnifiedGpuTier(pools, self.memory, self.device))
+            return
         shape = (self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         for layer in self.model.model.layers:
             layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)

@@ -9,7 +9,8 @@ adapters grouped by adapter, oldest group first; a step never holds more distinc
 allows. Aging bounds the unfairness: a waiting sequence passed over (a later arrival admitted ahead of it) for
 max_passed_over_s seconds goes first, and nothing later is admitted before it.
 
-When a sequence cannot grow, the most recent arrival among the running ones is preempted (its blocks freed,
+When a sequence cannot grow or be admitted, the block manager first asks a unified memory (if any) to turn idle
+adapters' memory into KV blocks (never an adapter a queued or running sequence needs); then the most recent arrival among the running ones is preempted (its blocks freed,
 recomputed later from its prompt plus its output so far, with its adapter released) and goes back to the
 waiting queue in arrival order. Admitted sequences start on any cached prefix of theirs (prefix caching).
 """
@@ -194,6 +195,8 @@ class Scheduler:
         block_manager, start = self.block_manager, seq.num_computed_tokens
         want = min(len(seq.token_ids) - start, self._budget)
         while block_manager.num_missing_blocks(seq, start + want) > block_manager.num_free_blocks:
+            if block_manager.make_room(block_manager.num_missing_blocks(seq, start + want), self._needed()):
+                break
             victim = max(self.running, key=_arrival)  # the most recent arrival
             if victim is seq:
                 # Nobody younger to take blocks from: compute what fits and wait for older ones to finish.
@@ -294,8 +297,11 @@ class Scheduler:
         cached = len(hits) * block_manager.block_size
         want = min(seq.num_tokens - cached, self._budget)
         # The watermark keeps room for running sequences to grow; an idle engine admits whatever fits.
-        if not block_manager.can_admit(seq, hits, cached + want, keep_watermark=bool(self.running)):
-            return False
+        keep_watermark = bool(self.running)
+        if not block_manager.can_admit(seq, hits, cached + want, keep_watermark):
+            need = block_manager.blocks_to_admit(hits, cached + want, keep_watermark)
+            if not block_manager.make_room(need, self._needed()):
+                return False
         block_manager.claim(seq, hits)
         seq.num_computed_tokens = cached
         self.waiting.remove(seq)
@@ -329,6 +335,10 @@ class Scheduler:
         seq.queued_at = self.clock()
         self.num_preemptions += 1
         bisect.insort(self.waiting, seq, key=_arrival)
+
+    def _needed(self) -> frozenset:
+        """Adapters that queued or running sequences need: never evicted to make room for KV."""
+        return frozenset(seq.adapter for seq in self.waiting + self.running if seq.adapter is not None)
 
     def _release_adapter(self, seq: Sequence) -> None:
         if seq.adapter is not None:
