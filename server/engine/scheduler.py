@@ -214,13 +214,15 @@ class Scheduler:
         is still not ready after adapter_load_timeout_s (so a stuck load cannot hold the queue forever)."""
         ready: dict[str | None, bool] = {None: True}
         broken: dict[str, Exception] = {}
+        room = _LoadRoom(self.block_manager, self.residency, self.waiting)
         for key in dict.fromkeys(seq.adapter for seq in self.waiting):  # distinct, oldest first
             if key is None:
                 continue
             try:
                 ready[key] = self.residency.is_ready(key)
-                if not ready[key]:
+                if not ready[key] and room.may_load(key):
                     self.residency.request(key)
+                room.admit(key)
             except Exception as error:  # noqa: BLE001 - it belongs to the requests of this adapter
                 ready[key], broken[key] = False, error
         if all(ready.values()):
@@ -274,7 +276,9 @@ class Scheduler:
                 break
             overdue = self._overdue(seq, now)
             new_adapter = seq.adapter is not None and seq.adapter not in active
-            if not ready[seq.adapter] or (new_adapter and len(active) >= max_adapters):
+            # ready is re-checked: loading a later adapter may have evicted an earlier one not yet admitted
+            usable = ready[seq.adapter] and (seq.adapter is None or self.residency.is_ready(seq.adapter))
+            if not usable or (new_adapter and len(active) >= max_adapters):
                 if overdue:
                     break  # nobody goes ahead of it: running sequences finish and make room for its adapter
                 continue
@@ -300,7 +304,9 @@ class Scheduler:
         keep_watermark = bool(self.running)
         if not block_manager.can_admit(seq, hits, cached + want, keep_watermark):
             need = block_manager.blocks_to_admit(hits, cached + want, keep_watermark)
-            if not block_manager.make_room(need, self._needed()):
+            # With nothing running, the adapters of later queued requests yield to this one, or none could run.
+            keep = self._needed() if self.running else frozenset({seq.adapter})
+            if not block_manager.make_room(need, keep):
                 return False
         block_manager.claim(seq, hits)
         seq.num_computed_tokens = cached
@@ -350,6 +356,35 @@ class Scheduler:
         # A sequence that waits for its adapter to load says nothing about the queue: it is left out.
         times = [seq.queued_at for seq in self.waiting if ready.get(seq.adapter, True)]
         self.load = QueueLoad(oldest_queued_at=min(times) if times else None)
+
+
+class _LoadRoom:
+    """With a unified memory, an adapter load may take memory only while what stays free still admits the
+    queued sequences whose adapters are ready, and that adapter's own: loads never starve KV of the room to
+    run what they were loaded for. Without one, every load may go ahead (the pools are apart from KV)."""
+
+    def __init__(
+        self, block_manager: BlockManager, residency: AdapterResidency, waiting: list[Sequence]
+    ) -> None:
+        self.block_manager, self.residency = block_manager, residency
+        self.memory = block_manager.memory
+        self.blocks: dict[str | None, int] = {}
+        if self.memory is not None:
+            for seq in waiting:
+                need = block_manager.blocks_for(seq.num_tokens)
+                self.blocks[seq.adapter] = self.blocks.get(seq.adapter, 0) + need
+        self.reserved = self.blocks.get(None, 0)  # the base is always ready
+
+    def may_load(self, key: str) -> bool:
+        if self.memory is None:
+            return True
+        load_bytes = getattr(self.residency, "load_bytes", lambda key: 0)(key)
+        cost = -(-load_bytes // max(1, self.memory.block_bytes)) + self.memory.chunk_blocks  # + rounding
+        return self.block_manager.num_free_blocks - cost >= self.reserved + self.blocks.get(key, 0)
+
+    def admit(self, key: str) -> None:
+        """``key`` is ready or loading: its queued sequences' blocks are spoken for."""
+        self.reserved += self.blocks.get(key, 0)
 
 
 def _arrival(seq: Sequence) -> int:

@@ -1,0 +1,175 @@
+"""Unified memory in the engine (tiny Llama, fp32, CPU): at the same total bytes as a fixed split, many
+adapters with short contexts keep more adapters resident, long contexts with few adapters run more sequences,
+the share moves both ways within one run, tokens stay those of a roomy split engine, and what a queued or
+running request needs, or a pinned adapter, is never evicted for KV."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+from loraplane.server.engine.config import EngineConfig  # noqa: E402
+from loraplane.server.engine.llm_engine import LLMEngine  # noqa: E402
+from loraplane.server.engine.sequence import SamplingParams  # noqa: E402
+from loraplane.server.engine.unified_memory import KV  # noqa: E402
+from tests.engine.peft_adapters import save_peft_adapter  # noqa: E402
+
+NUM_ADAPTERS = 12
+KV_BLOCKS = 256  # the split's KV: 256 blocks of 4 tokens (512 KiB); its adapter pools as much again
+POOL_BYTES = 512 << 10  # 64 rank-rows per module: eight r8 adapters on every module
+SPLIT_ADAPTERS = 8
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("unified")
+    spec = dict(r=8, lora_alpha=16, target_modules="all-linear")
+    return {
+        f"a{i}": save_peft_adapter(tiny_llama_dir, root / f"a{i}", seed=100 + i, **spec)
+        for i in range(NUM_ADAPTERS)
+    }
+
+
+def make_engine(base, folders, mode, **kw) -> LLMEngine:
+    torch.set_num_threads(1)
+    opts = dict(num_kv_blocks=KV_BLOCKS, lora_pool_bytes=POOL_BYTES, max_lora_rank=16) | kw
+    cfg = EngineConfig(model=str(base), device="cpu", block_size=4, max_num_batched_tokens=512,
+                       memory_mode=mode, **opts)  # fmt: skip
+    engine = LLMEngine(cfg)
+    lora = engine.runner.lora
+    for name, folder in folders.items():
+        lora.register(name, "v1", folder, f"sha256:{name}", lora.parse(folder))
+    return engine
+
+
+def short_phase(seed: int) -> list[tuple[list[int], str, SamplingParams]]:
+    """Every adapter, two short requests each."""
+    rng = random.Random(seed)
+    sampling = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    names = [f"a{i}@v1" for i in range(NUM_ADAPTERS)] * 2
+    return [([rng.randrange(1, 256) for _ in range(rng.randrange(3, 9))], n, sampling) for n in names]
+
+
+def long_phase(seed: int, count: int = 16) -> list[tuple[list[int], str | None, SamplingParams]]:
+    """A few long requests on one adapter and the base: 27 blocks of 4 tokens each."""
+    rng = random.Random(seed)
+    sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    return [
+        ([rng.randrange(1, 256) for _ in range(100)], "a0@v1" if i % 2 else None, sampling)
+        for i in range(count)
+    ]
+
+
+def run(engine: LLMEngine, requests) -> dict:
+    """Run requests together to completion; tokens per request, peak running sequences, and resident adapters."""
+    seqs = [engine.add_request(p, s, adapter=a) for p, a, s in requests]
+    peak_running = peak_resident = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak_running = max(peak_running, len(engine.scheduler.running))
+        peak_resident = max(peak_resident, len(engine.runner.lora.gpu.slots))
+    assert all(seq.finish_reason == "length" for seq in seqs), [seq.error for seq in seqs]
+    return dict(tokens=[list(seq.output_token_ids) for seq in seqs], running=peak_running,
+                resident=len(engine.runner.lora.gpu.slots), peak_resident=peak_resident)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, folders):
+    """Tokens of a split engine with room for everything at once (no eviction, no preemption)."""
+    engine = make_engine(tiny_llama_dir, folders, "split", num_kv_blocks=1024, lora_pool_bytes=None,
+                         max_loras=NUM_ADAPTERS)  # fmt: skip
+    out = {}
+    for name, requests in (("short", short_phase(1)), ("long", long_phase(2)), ("short2", short_phase(3))):
+        out[name] = run(engine, requests)["tokens"]
+    assert engine.num_preemptions == 0
+    return out
+
+
+def test_same_total_bytes(tiny_llama_dir, folders):
+    split = make_engine(tiny_llama_dir, folders, "split")
+    unified = make_engine(tiny_llama_dir, folders, "unified")
+    split_bytes = (
+        split.runner.num_kv_blocks * split.runner.kv_block_bytes + split.runner.lora.gpu.capacity_bytes
+    )
+    memory = unified.runner.memory
+    assert memory.num_blocks * memory.block_bytes == split_bytes == 2 * POOL_BYTES
+    assert unified.runner.model.model.layers[0].self_attn.k_cache.is_contiguous()
+
+
+def test_many_adapters_short_contexts_keep_more_resident(tiny_llama_dir, folders, reference):
+    split = run(make_engine(tiny_llama_dir, folders, "split"), short_phase(1))
+    unified = run(make_engine(tiny_llama_dir, folders, "unified"), short_phase(1))
+    assert split["peak_resident"] <= SPLIT_ADAPTERS < unified["resident"]
+    assert split["tokens"] == unified["tokens"] == reference["short"]
+
+
+def test_long_contexts_few_adapters_run_more_sequences(tiny_llama_dir, folders, reference):
+    split_engine = make_engine(tiny_llama_dir, folders, "split")
+    split = run(split_engine, long_phase(2))
+    unified_engine = make_engine(tiny_llama_dir, folders, "unified")
+    unified = run(unified_engine, long_phase(2))
+    assert split["running"] <= KV_BLOCKS // 27 < unified["running"]
+    assert split["tokens"] == unified["tokens"] == reference["long"]
+
+
+def test_the_share_moves_both_ways_in_one_run(tiny_llama_dir, folders, reference):
+    engine = make_engine(tiny_llama_dir, folders, "unified")
+    memory = engine.runner.memory
+    first = run(engine, short_phase(1))
+    adapter_chunks_first = memory.stats()["adapter_chunks"]
+    assert first["resident"] > SPLIT_ADAPTERS and first["tokens"] == reference["short"]
+
+    long = run(engine, long_phase(2))  # KV takes the idle adapters' chunks (no preemption needed)
+    assert long["running"] > KV_BLOCKS // 27 and long["tokens"] == reference["long"]
+    assert long["resident"] < first["resident"] and memory.kind.count(KV) * memory.chunk_blocks > KV_BLOCKS
+
+    again = run(engine, short_phase(3))  # adapters take the idle KV chunks back
+    assert again["resident"] > SPLIT_ADAPTERS and again["tokens"] == reference["short2"]
+    assert memory.stats()["adapter_chunks"] >= adapter_chunks_first - 1
+    assert engine.num_preemptions == 0
+
+
+def test_needed_and_pinned_adapters_are_never_evicted_for_kv(tiny_llama_dir, folders):
+    engine = make_engine(tiny_llama_dir, folders, "unified")
+    lora = engine.runner.lora
+    for name in folders:  # every adapter resident: a0 pinned, a1 running, a2 queued, the others idle
+        lora.ensure_resident([f"{name}@v1"])
+    assert engine.runner.memory.num_free_chunks * 16 < 125  # too little left for the long request
+    lora.set_pinned("a0@v1", True)
+    sampling = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    running = engine.add_request([5] * 8, sampling, adapter="a1@v1")
+    engine.step()  # a1's request runs
+    long = engine.add_request([7] * 380, SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True))
+    queued = engine.add_request([9] * 8, sampling, adapter="a2@v1")
+    engine.scheduler.max_num_seqs = 2  # a2's request waits while the long base request grows
+    evicted = False
+    while not long.is_finished:
+        engine.step()
+        for seq, key in ((running, "a1@v1"), (queued, "a2@v1")):
+            if not seq.is_finished:
+                assert lora.tier_of(key) == "gpu"
+        assert lora.tier_of("a0@v1") == "gpu"
+        evicted = evicted or any(lora.tier_of(f"a{i}@v1") != "gpu" for i in range(3, NUM_ADAPTERS))
+    assert evicted  # idle ones made room for KV
+    while engine.has_unfinished():
+        engine.step()
+    assert queued.finish_reason == running.finish_reason == long.finish_reason == "length"
+
+
+def test_unified_needs_one_process(tiny_llama_dir):
+    with pytest.raises(ValueError, match="memory_mode"):
+        EngineConfig(model=str(tiny_llama_dir), memory_mode="unified", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="memory_mode"):
+        EngineConfig(model=str(tiny_llama_dir), memory_mode="shared")
