@@ -44,9 +44,10 @@ def folders(tiny_llama_dir, tmp_path_factory):
 
 def make_engine(base, folders, mode, **kw) -> LLMEngine:
     torch.set_num_threads(1)
-    opts = dict(num_kv_blocks=KV_BLOCKS, lora_pool_bytes=POOL_BYTES, max_lora_rank=16) | kw
-    cfg = EngineConfig(model=str(base), device="cpu", block_size=4, max_num_batched_tokens=512,
-                       memory_mode=mode, **opts)  # fmt: skip
+    opts = dict(
+        device="cpu", block_size=4, num_kv_blocks=KV_BLOCKS, lora_pool_bytes=POOL_BYTES, max_lora_rank=16
+    )
+    cfg = EngineConfig(model=str(base), max_num_batched_tokens=512, memory_mode=mode, **(opts | kw))
     engine = LLMEngine(cfg)
     lora = engine.runner.lora
     for name, folder in folders.items():
@@ -173,3 +174,59 @@ def test_unified_needs_one_process(tiny_llama_dir):
         EngineConfig(model=str(tiny_llama_dir), memory_mode="unified", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="memory_mode"):
         EngineConfig(model=str(tiny_llama_dir), memory_mode="shared")
+
+
+def test_mixed_ranks_in_poisoned_memory_match_the_split(tiny_llama_dir, tmp_path):
+    """Every adapter kind (ranks 8..64, rsLoRA, rank_pattern, q,v-only, MLP-only) in a unified memory first
+    filled with NaN, small enough that adapters and KV keep trading chunks: a value never written (a stale
+    row, a row past a module's rank, a KV slot) that were read would turn the tokens into garbage."""
+    from tests.engine.peft_adapters import ADAPTER_SPECS
+
+    kinds = {
+        n: save_peft_adapter(tiny_llama_dir, tmp_path / n, seed=i, **s)
+        for i, (n, s) in enumerate(ADAPTER_SPECS.items())
+    }
+    mix = [None, "r8", "r16", None, "r64", "rslora", "pattern", "qv", "mlp", "r8", None] * 2
+    rng = random.Random(5)
+    sampling = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    requests = [
+        (
+            [rng.randrange(1, 256) for _ in range(rng.randrange(3, 60))],
+            None if a is None else f"{a}@v1",
+            sampling,
+        )
+        for a in mix
+    ]
+    roomy = make_engine(
+        tiny_llama_dir,
+        kinds,
+        "split",
+        num_kv_blocks=1024,
+        lora_pool_bytes=None,
+        max_loras=8,
+        max_lora_rank=64,
+    )
+    unified = make_engine(
+        tiny_llama_dir, kinds, "unified", num_kv_blocks=64, lora_pool_bytes=1 << 20, max_lora_rank=64
+    )
+    for layer in unified.runner.model.model.layers:
+        layer.self_attn.k_cache.fill_(float("nan"))
+        layer.self_attn.v_cache.fill_(float("nan"))  # the whole arena: KV and adapter rows
+    expected = run(roomy, requests)["tokens"]
+    got = run(unified, requests)
+    assert got["tokens"] == expected
+    assert unified.runner.memory.stats()["adapter_chunks"] > 0
+
+
+@pytest.mark.gpu
+def test_gpu_unified_with_cuda_graphs_matches_the_split(tiny_llama_dir, folders):
+    """Triton kernels over the arena's strided views, CUDA-graph decode, NaN-filled arena: the split's tokens."""
+    kw = dict(device="cuda", dtype="float32", block_size=16, num_kv_blocks=64, max_num_seqs=16)
+    requests = short_phase(7) + long_phase(8, count=4)
+    split = make_engine(tiny_llama_dir, folders, "split", enforce_eager=True, **kw)
+    unified = make_engine(tiny_llama_dir, folders, "unified", enforce_eager=False, **kw)
+    assert unified.runner.graphs is not None
+    for layer in unified.runner.model.model.layers:
+        layer.self_attn.k_cache.fill_(float("nan"))
+        layer.self_attn.v_cache.fill_(float("nan"))
+    assert run(unified, requests)["tokens"] == run(split, requests)["tokens"]
