@@ -148,6 +148,14 @@ class BlockManager:
             self.memory.reclaim_for_kv(self.memory.num_free_chunks + chunks, keep)
         return num_blocks <= self.num_free_blocks
 
+    def reserve_for_kv(self, num_blocks: int) -> None:
+        """Keep room for ``num_blocks`` more blocks out of adapter loads' reach (a unified memory's
+        ``kv_reserve_chunks``): free blocks of KV chunks in use count first, then whole chunks."""
+        if self.memory is not None:
+            c = self.memory.chunk_blocks
+            in_use = len(self._free) - self._num_idle_chunks() * c  # free blocks of chunks holding others
+            self.memory.kv_reserve_chunks = -(-max(0, num_blocks - in_use) // c)
+
     def _held(self, block_id: int, delta: int) -> None:
         if self.memory is not None:
             self._chunk_used[block_id // self.memory.chunk_blocks] += delta

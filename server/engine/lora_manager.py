@@ -183,7 +183,10 @@ class AdapterManager:
 
     def is_ready(self, key: str) -> bool:
         with self.lock:
-            return key in self.versions and (self.gpu.done(key) or self._advance(key))
+            # only a requested load moves on here: the scheduler decides which loads may take memory
+            return key in self.versions and (
+                self.gpu.done(key) or (key in self.wanted and self._advance(key))
+            )
 
     def request(self, key: str) -> None:
         """Start moving ``key`` toward the GPU; AdapterError when it can never get there (unknown, fully

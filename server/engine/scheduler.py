@@ -214,17 +214,28 @@ class Scheduler:
         is still not ready after adapter_load_timeout_s (so a stuck load cannot hold the queue forever)."""
         ready: dict[str | None, bool] = {None: True}
         broken: dict[str, Exception] = {}
-        room = _LoadRoom(self.block_manager, self.residency, self.waiting)
-        for key in dict.fromkeys(seq.adapter for seq in self.waiting):  # distinct, oldest first
-            if key is None:
-                continue
+        keys = [key for key in dict.fromkeys(seq.adapter for seq in self.waiting) if key is not None]
+        for key in keys:  # distinct, oldest first
             try:
                 ready[key] = self.residency.is_ready(key)
-                if not ready[key] and room.may_load(key):
-                    self.residency.request(key)
-                room.admit(key)
             except Exception as error:  # noqa: BLE001 - it belongs to the requests of this adapter
                 ready[key], broken[key] = False, error
+        # Unified memory: a load must leave the KV room that the queued sequences of the base, of ready
+        # adapters, of adapters requested before it and its own need (loads never starve what they serve).
+        blocks: dict[str | None, int] = {}
+        for seq in self.waiting:
+            blocks[seq.adapter] = blocks.get(seq.adapter, 0) + self.block_manager.blocks_for(seq.num_tokens)
+        reserved = sum(n for key, n in blocks.items() if ready.get(key))
+        for key in keys:
+            if ready[key] or key in broken:
+                continue
+            reserved += blocks[key]
+            self.block_manager.reserve_for_kv(reserved)
+            try:
+                self.residency.request(key)
+            except Exception as error:  # noqa: BLE001 - as above
+                broken[key] = error
+        self.block_manager.reserve_for_kv(reserved)
         if all(ready.values()):
             return ready
         now, timeout = self.clock(), self.adapter_load_timeout_s
@@ -356,35 +367,6 @@ class Scheduler:
         # A sequence that waits for its adapter to load says nothing about the queue: it is left out.
         times = [seq.queued_at for seq in self.waiting if ready.get(seq.adapter, True)]
         self.load = QueueLoad(oldest_queued_at=min(times) if times else None)
-
-
-class _LoadRoom:
-    """With a unified memory, an adapter load may take memory only while what stays free still admits the
-    queued sequences whose adapters are ready, and that adapter's own: loads never starve KV of the room to
-    run what they were loaded for. Without one, every load may go ahead (the pools are apart from KV)."""
-
-    def __init__(
-        self, block_manager: BlockManager, residency: AdapterResidency, waiting: list[Sequence]
-    ) -> None:
-        self.block_manager, self.residency = block_manager, residency
-        self.memory = block_manager.memory
-        self.blocks: dict[str | None, int] = {}
-        if self.memory is not None:
-            for seq in waiting:
-                need = block_manager.blocks_for(seq.num_tokens)
-                self.blocks[seq.adapter] = self.blocks.get(seq.adapter, 0) + need
-        self.reserved = self.blocks.get(None, 0)  # the base is always ready
-
-    def may_load(self, key: str) -> bool:
-        if self.memory is None:
-            return True
-        load_bytes = getattr(self.residency, "load_bytes", lambda key: 0)(key)
-        cost = -(-load_bytes // max(1, self.memory.block_bytes)) + self.memory.chunk_blocks  # + rounding
-        return self.block_manager.num_free_blocks - cost >= self.reserved + self.blocks.get(key, 0)
-
-    def admit(self, key: str) -> None:
-        """``key`` is ready or loading: its queued sequences' blocks are spoken for."""
-        self.reserved += self.blocks.get(key, 0)
 
 
 def _arrival(seq: Sequence) -> int:

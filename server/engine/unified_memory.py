@@ -12,7 +12,9 @@ head_dim] tensor). Chunk u is KV blocks [u*c, (u+1)*c): the same element span of
 
 Who gets memory. KV takes a FREE chunk (lowest first) when it has no free block left. Adapter rows take
 free rows of their width, then a FREE chunk (highest first, so KV and adapters meet in the middle), then a
-KV chunk whose blocks are all free (its prefix cache is dropped). When that is not enough, KV asks the
+KV chunk whose blocks are all free (its prefix cache is dropped), but never the ``kv_reserve_chunks`` the
+scheduler keeps for queued sequences whose adapters are ready (loads must not take the room that the
+requests they serve need). When that is not enough, KV asks the
 adapter side to evict idle adapters (``adapter_reclaimer``: it never evicts one that a queued or running
 request needs, nor a pinned one), and the adapter side evicts its own idle adapters (lora_tiers) or waits.
 A chunk returns to FREE when its last row or its last KV block is given back; a chunk holding one live row
@@ -53,6 +55,8 @@ class UnifiedMemory:
         # Set by the block manager: (idle KV chunks) and (release up to n idle KV chunks -> how many).
         self.kv_idle: Callable[[], int] = lambda: 0
         self.kv_release: Callable[[int], int] = lambda n: 0
+        # Set by the scheduler each step: chunks adapter loads leave to KV (queued sequences will need them).
+        self.kv_reserve_chunks = 0
         # Set by the adapter side: evict idle adapters (none in `keep`) until `n` chunks are FREE, if it can.
         self.adapter_reclaimer: Callable[[int, frozenset], None] | None = None
 
@@ -108,24 +112,14 @@ class UnifiedMemory:
     def fits(self, needs: dict[int, int], released: dict[int, list[int]] | None = None) -> bool:
         """Whether rows ``needs`` {width: count} could be taken now (using FREE chunks and idle KV chunks),
         once the rows ``released`` {width: row ids} were given back."""
-        free = {u: len(self._rows_free[u]) for w in self.widths for u in self._by_width[w]}
+        plan = self.plan()
         for width, rows in (released or {}).items():
-            for row in rows:
-                u = self.chunk_of_row(width, row)
-                free[u] = free.get(u, 0) + 1
-        spare = self.num_free_chunks + self.kv_idle()
-        avail = dict.fromkeys(self.widths, 0)
-        for u, n in free.items():
-            if n == self._rows_total[u]:
-                spare += 1  # wholly free: usable by any width
-            else:
-                avail[self.kind[u]] += n
-        chunks = 0
-        for width, n in needs.items():
-            short = n - avail[width]
-            if short > 0:
-                chunks += -(-short // self._min_rows[width]) if self._min_rows[width] else 1 << 30
-        return chunks <= spare
+            plan.release(width, rows)
+        return plan.fits(needs)
+
+    def plan(self) -> _Plan:
+        """A what-if copy of the row accounting: release rows into it, then ask what fits."""
+        return _Plan(self)
 
     def take_rows(self, width: int, count: int) -> list[int] | None:
         """``count`` rows of ``width`` (None, nothing taken, when they cannot be had without evicting)."""
@@ -206,3 +200,34 @@ class UnifiedMemory:
         if kv_used_blocks is not None:
             out["kv_blocks_used"] = kv_used_blocks
         return out
+
+
+class _Plan:
+    """Free rows per typed chunk, rows in partly used chunks per width, and chunks any width could use."""
+
+    def __init__(self, memory: UnifiedMemory) -> None:
+        self.memory = memory
+        self.free = {u: len(rows) for u, rows in memory._rows_free.items()}
+        self.avail = dict.fromkeys(memory.widths, 0)
+        for u, n in self.free.items():
+            self.avail[memory.kind[u]] += n
+        self.spare = memory.num_free_chunks + memory.kv_idle() - memory.kv_reserve_chunks
+
+    def release(self, width: int, rows: Iterable[int]) -> None:
+        total = self.memory._rows_total
+        for row in rows:
+            u = self.memory.chunk_of_row(width, row)
+            self.free[u] += 1
+            self.avail[width] += 1
+            if self.free[u] == total[u]:  # wholly free: a chunk for any width
+                self.avail[width] -= total[u]
+                self.spare += 1
+
+    def fits(self, needs: dict[int, int]) -> bool:
+        chunks = 0
+        for width, n in needs.items():
+            short = n - self.avail[width]
+            if short > 0:
+                per = self.memory._min_rows[width]
+                chunks += -(-short // per) if per else 1 << 30
+        return chunks == 0 or chunks <= self.spare  # rows of partly used chunks take no chunk

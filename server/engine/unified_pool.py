@@ -117,14 +117,14 @@ class UnifiedGpuTier(GpuTier):
         """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot."""
         if self.fits(weights):
             return True
-        needs, victims, released = self.needs(weights), [], {}
+        needs, victims, plan = self.needs(weights), [], self.memory.plan()
         for key in self.slots:
             if not evictable(key):
                 continue
             victims.append(key)
             for width, rows in self._rows_of(key).items():
-                released.setdefault(width, []).extend(rows)
-            if self.memory.fits(needs, released):
+                plan.release(width, rows)
+            if plan.fits(needs):
                 for victim in victims:
                     self.evict(victim)
                 return True
