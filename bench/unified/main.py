@@ -78,7 +78,7 @@ def drive(engine: LLMEngine, trace) -> dict:
     """Feed the trace a step's arrivals at a time; sample residency and concurrency after every step."""
     runner, scheduler = engine.runner, engine.scheduler
     memory = runner.memory
-    resident, running, kv_share, dts = [], [], [], []
+    resident, running, kv_share, frag, dts = [], [], [], [], []
     seqs, tokens, step, t_start = [], 0, 0, time.perf_counter()
     while step < len(trace) or engine.has_unfinished():
         for prompt, sampling, adapter in trace[step] if step < len(trace) else ():
@@ -89,6 +89,8 @@ def drive(engine: LLMEngine, trace) -> dict:
         resident.append(len(runner.lora.gpu.slots))
         running.append(len(scheduler.running))
         kv_share.append(memory.kind.count(-1) / memory.num_chunks if memory is not None else 0.5)
+        if memory is not None:
+            frag.append(memory.stats()["row_fragmentation"])
         step += 1
         if step > 50 * len(trace) + 10_000:
             raise RuntimeError("the workload does not finish")
@@ -103,6 +105,7 @@ def drive(engine: LLMEngine, trace) -> dict:
         "running_time_mean": float(np.dot(w, running)),
         "running_peak": max(running),
         "kv_share_mean": float(np.mean(kv_share)),
+        "row_fragmentation_mean": float(np.mean(frag)) if frag else None,
         "preemptions": scheduler.num_preemptions,
         "tokens_per_step": tokens / step,
         "failed": sum(1 for s in seqs if s.finish_reason == "error"),
@@ -225,5 +228,6 @@ def run(argv: list[str]) -> dict:
         "notes": [
             "means are over engine steps (mean) and weighted by each step's wall time (time_mean)",
             "kv_share: the arena's share held as KV chunks (the split: 0.5 always)",
+            "row_fragmentation: the share of adapter chunks' row bytes that are free rows (a live row holds its chunk)",
         ],
     }

@@ -220,22 +220,23 @@ class Scheduler:
                 ready[key] = self.residency.is_ready(key)
             except Exception as error:  # noqa: BLE001 - it belongs to the requests of this adapter
                 ready[key], broken[key] = False, error
-        # Unified memory: a load must leave the KV room that the queued sequences of the base, of ready
-        # adapters, of adapters requested before it and its own need (loads never starve what they serve).
-        blocks: dict[str | None, int] = {}
+        # Unified memory: a load must leave the KV room that the next admissions need (queued sequences of the
+        # base, of ready adapters, of adapters requested before it, and its own), as far as one step admits.
+        blocks: dict[str | None, list[int]] = {}
         for seq in self.waiting:
-            blocks[seq.adapter] = blocks.get(seq.adapter, 0) + self.block_manager.blocks_for(seq.num_tokens)
-        reserved = sum(n for key, n in blocks.items() if ready.get(key))
+            blocks.setdefault(seq.adapter, []).append(self.block_manager.blocks_for(seq.num_tokens))
+        room = _Reserve(self, blocks)
+        for key in [None, *keys]:
+            if ready.get(key):
+                room.add(key)
         for key in keys:
             if ready[key] or key in broken:
                 continue
-            reserved += blocks[key]
-            self.block_manager.reserve_for_kv(reserved)
+            room.add(key)
             try:
                 self.residency.request(key)
             except Exception as error:  # noqa: BLE001 - as above
                 broken[key] = error
-        self.block_manager.reserve_for_kv(reserved)
         if all(ready.values()):
             return ready
         now, timeout = self.clock(), self.adapter_load_timeout_s
@@ -367,6 +368,23 @@ class Scheduler:
         # A sequence that waits for its adapter to load says nothing about the queue: it is left out.
         times = [seq.queued_at for seq in self.waiting if ready.get(seq.adapter, True)]
         self.load = QueueLoad(oldest_queued_at=min(times) if times else None)
+
+
+class _Reserve:
+    """The KV blocks kept out of adapter loads' reach: those of the queued sequences that one step could admit
+    (free seats, token budget), taken adapter by adapter (torch-free; a no-op without a unified memory)."""
+
+    def __init__(self, scheduler: Scheduler, blocks: dict[str | None, list[int]]) -> None:
+        self.block_manager, self.blocks = scheduler.block_manager, blocks
+        self.seats = max(0, scheduler.max_num_seqs - len(scheduler.running))
+        self.cap = self.block_manager.blocks_for(scheduler.max_num_batched_tokens) + self.seats
+        self.reserved = 0
+
+    def add(self, key: str | None) -> None:
+        taken = self.blocks.get(key, [])[: self.seats]
+        self.seats -= len(taken)
+        self.reserved = min(self.cap, self.reserved + sum(taken))
+        self.block_manager.reserve_for_kv(self.reserved)
 
 
 def _arrival(seq: Sequence) -> int:

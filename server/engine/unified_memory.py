@@ -214,14 +214,17 @@ class _Plan:
         self.spare = memory.num_free_chunks + memory.kv_idle() - memory.kv_reserve_chunks
 
     def release(self, width: int, rows: Iterable[int]) -> None:
-        total = self.memory._rows_total
         for row in rows:
-            u = self.memory.chunk_of_row(width, row)
-            self.free[u] += 1
-            self.avail[width] += 1
-            if self.free[u] == total[u]:  # wholly free: a chunk for any width
-                self.avail[width] -= total[u]
-                self.spare += 1
+            self.release_in(width, self.memory.chunk_of_row(width, row), 1)
+
+    def release_in(self, width: int, chunk: int, count: int) -> None:
+        """``count`` rows of ``width`` in ``chunk`` would be given back."""
+        total = self.memory._rows_total[chunk]
+        self.free[chunk] += count
+        self.avail[width] += count
+        if self.free[chunk] == total:  # wholly free: a chunk for any width
+            self.avail[width] -= total
+            self.spare += 1
 
     def fits(self, needs: dict[int, int]) -> bool:
         chunks = 0

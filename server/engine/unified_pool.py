@@ -91,6 +91,7 @@ class UnifiedGpuTier(GpuTier):
     def __init__(self, pools: dict[str, ArenaPool], memory: UnifiedMemory, device: torch.device) -> None:
         super().__init__(pools, device)
         self.memory = memory
+        self._held: dict[str, dict[tuple[int, int], int]] = {}
         self.evictable = lambda key: True  # set by the adapter manager
         memory.adapter_reclaimer = self.reclaim
 
@@ -107,11 +108,22 @@ class UnifiedGpuTier(GpuTier):
     def fits(self, weights: AdapterWeights) -> bool:
         return bool(self._free_ids) and self.memory.fits(self.needs(weights))
 
-    def _rows_of(self, key: str) -> dict[int, list[int]]:
-        out: dict[int, list[int]] = {}
-        for m, slot in self.slots[key].items():
-            out.setdefault(self.pools[m].width, []).extend(self.pools[m].pages_of(slot))
-        return out
+    def _chunks_of(self, key: str) -> dict[tuple[int, int], int]:
+        """{(width, chunk): rows} that evicting ``key`` would give back (kept while it stays resident)."""
+        held = self._held.get(key)
+        if held is None:
+            held = {}
+            for m, slot in self.slots[key].items():
+                width = self.pools[m].width
+                for row in self.pools[m].pages_of(slot):
+                    u = self.memory.chunk_of_row(width, row)
+                    held[(width, u)] = held.get((width, u), 0) + 1
+            self._held[key] = held
+        return held
+
+    def evict(self, key: str) -> None:
+        self._held.pop(key, None)
+        super().evict(key)
 
     def make_room(self, weights: AdapterWeights, evictable) -> bool:
         """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot."""
@@ -122,8 +134,8 @@ class UnifiedGpuTier(GpuTier):
             if not evictable(key):
                 continue
             victims.append(key)
-            for width, rows in self._rows_of(key).items():
-                plan.release(width, rows)
+            for (width, chunk), count in self._chunks_of(key).items():
+                plan.release_in(width, chunk, count)
             if plan.fits(needs):
                 for victim in victims:
                     self.evict(victim)
