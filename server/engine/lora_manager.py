@@ -213,12 +213,6 @@ class AdapterManager:
             if v is not None:
                 v.refs = max(0, v.refs - 1)
 
-    def load_bytes(self, key: str) -> int:
-        """What making ``key`` GPU-resident takes (0 once it is there)."""
-        with self.lock:
-            v = self.versions.get(key)
-            return 0 if v is None or self.gpu.holds(key) else v.pool_bytes
-
     def digest(self, key: str) -> str:
         v = self.versions.get(key)
         if v is None:

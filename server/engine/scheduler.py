@@ -9,10 +9,11 @@ adapters grouped by adapter, oldest group first; a step never holds more distinc
 allows. Aging bounds the unfairness: a waiting sequence passed over (a later arrival admitted ahead of it) for
 max_passed_over_s seconds goes first, and nothing later is admitted before it.
 
-When a sequence cannot grow or be admitted, the block manager first asks a unified memory (if any) to turn idle
-adapters' memory into KV blocks (never an adapter a queued or running sequence needs); then the most recent arrival among the running ones is preempted (its blocks freed,
-recomputed later from its prompt plus its output so far, with its adapter released) and goes back to the
-waiting queue in arrival order. Admitted sequences start on any cached prefix of theirs (prefix caching).
+When a sequence cannot grow or be admitted, a unified memory (if any) first turns idle adapters' memory into KV
+blocks (never an adapter that a queued or running sequence needs); then the most recent arrival among the running
+ones is preempted (its blocks freed, recomputed later from its prompt plus its output so far, with its adapter
+released) and goes back to the waiting queue in arrival order. With a unified memory, adapter loads leave alone
+the KV blocks that the next admissions need. Admitted sequences start on any cached prefix of theirs (prefix caching).
 """
 
 from __future__ import annotations
@@ -222,17 +223,15 @@ class Scheduler:
                 ready[key], broken[key] = False, error
         # Unified memory: a load must leave the KV room that the next admissions need (queued sequences of the
         # base, of ready adapters, of adapters requested before it, and its own), as far as one step admits.
-        blocks: dict[str | None, list[int]] = {}
-        for seq in self.waiting:
-            blocks.setdefault(seq.adapter, []).append(self.block_manager.blocks_for(seq.num_tokens))
-        room = _Reserve(self, blocks)
-        for key in [None, *keys]:
+        room = _Reserve(self) if self.block_manager.memory is not None else None
+        for key in [None, *keys] if room is not None else ():
             if ready.get(key):
                 room.add(key)
         for key in keys:
             if ready[key] or key in broken:
                 continue
-            room.add(key)
+            if room is not None:
+                room.add(key)
             try:
                 self.residency.request(key)
             except Exception as error:  # noqa: BLE001 - as above
@@ -372,10 +371,13 @@ class Scheduler:
 
 class _Reserve:
     """The KV blocks kept out of adapter loads' reach: those of the queued sequences that one step could admit
-    (free seats, token budget), taken adapter by adapter (torch-free; a no-op without a unified memory)."""
+    (free seats, token budget), taken adapter by adapter: ready ones first, then each one requested."""
 
-    def __init__(self, scheduler: Scheduler, blocks: dict[str | None, list[int]]) -> None:
-        self.block_manager, self.blocks = scheduler.block_manager, blocks
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.block_manager = block_manager = scheduler.block_manager
+        self.blocks: dict[str | None, list[int]] = {}
+        for seq in scheduler.waiting:
+            self.blocks.setdefault(seq.adapter, []).append(block_manager.blocks_for(seq.num_tokens))
         self.seats = max(0, scheduler.max_num_seqs - len(scheduler.running))
         self.cap = self.block_manager.blocks_for(scheduler.max_num_batched_tokens) + self.seats
         self.reserved = 0
