@@ -114,3 +114,16 @@ def test_block_manager_asks_the_adapter_side_before_giving_up():
 def test_num_blocks_must_match_the_memory():
     with pytest.raises(ValueError, match="num_blocks"):
         BlockManager(7, 4, memory=memory())
+
+
+def test_loads_leave_the_kv_reserve_alone():
+    mem = memory(num_chunks=4)
+    bm = BlockManager(mem.num_blocks, 4, memory=mem)
+    seq = Sequence(list(range(8)))
+    bm.allocate(seq, 8)  # chunk 0 is KV with 2 of its 4 blocks free
+    bm.reserve_for_kv(2)  # covered by chunk 0's free blocks: no whole chunk kept back
+    assert mem.kv_reserve_chunks == 0 and mem.fits({192: mem._min_rows[192] * 3})
+    bm.reserve_for_kv(2 + 5)  # 5 more blocks: two chunks kept back
+    assert mem.kv_reserve_chunks == 2
+    assert mem.fits({192: mem._min_rows[192]}) and not mem.fits({192: mem._min_rows[192] + 1})
+    assert mem.fits({192: 0})  # nothing to take: fits whatever the reserve
