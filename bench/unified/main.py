@@ -42,8 +42,8 @@ RANK = 16
 
 # name -> (cpu, cuda): adapters, arrivals per step, arrival steps, prompt range, output range
 WORKLOADS = {
-    "many adapters, short contexts": ((200, 4, 150, (8, 64), (8, 32)), (1000, 8, 300, (8, 256), (8, 64))),
-    "long contexts, few adapters": ((4, 2, 12, (1536, 2048), (16, 48)), (4, 2, 32, (6144, 8192), (16, 48))),
+    "many adapters, short contexts": ((200, 4, 150, (8, 64), (8, 32)), (1000, 8, 200, (8, 256), (8, 64))),
+    "long contexts, few adapters": ((4, 2, 12, (1536, 2048), (16, 48)), (4, 2, 24, (6144, 8192), (16, 48))),
 }
 
 
