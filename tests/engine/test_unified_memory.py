@@ -230,3 +230,23 @@ def test_gpu_unified_with_cuda_graphs_matches_the_split(tiny_llama_dir, folders)
         layer.self_attn.k_cache.fill_(float("nan"))
         layer.self_attn.v_cache.fill_(float("nan"))
     assert run(unified, requests)["tokens"] == run(split, requests)["tokens"]
+
+
+def test_prefix_cache_goes_with_a_chunk_that_adapters_take(tiny_llama_dir, folders):
+    """A cached prefix whose chunk is handed to adapter rows is forgotten (its blocks now hold weights), and the
+    same prompt then recomputes to the same tokens."""
+    engine = make_engine(tiny_llama_dir, folders, "unified", num_kv_blocks=64, lora_pool_bytes=POOL_BYTES)
+    prompt = [random.Random(9).randrange(1, 256) for _ in range(41)]
+    sampling = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = engine.generate([prompt], sampling)
+    block_manager = engine.scheduler.block_manager
+    probe = engine.add_request(prompt, sampling)
+    assert len(block_manager.lookup(probe)) == 10  # every full block of the prompt is cached
+    engine.abort(probe.request_id)
+    lora = engine.runner.lora
+    for name in folders:  # adapters take every chunk they can, idle KV chunks included
+        lora.ensure_resident([f"{name}@v1"])
+    probe = engine.add_request(prompt, sampling)
+    assert len(block_manager.lookup(probe)) < 10
+    engine.abort(probe.request_id)
+    assert engine.generate([prompt], sampling) == first
