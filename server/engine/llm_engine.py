@@ -72,6 +72,9 @@ class EngineStats:
     num_cached_kv_blocks: int = 0  # full blocks held for prefix reuse (in use or free)
     prefix_cache_queried_tokens: int = 0  # since start: prompt tokens looked up at admission
     prefix_cache_hit_tokens: int = 0  # of those, found cached
+    # memory_mode "unified": chunks and bytes as KV, as adapters and free, row fragmentation (None: split).
+    # num_free_kv_blocks then counts the blocks KV can take without evicting anything.
+    unified_memory: dict | None = None
 
 
 def _build_runner(config: EngineConfig):
@@ -191,6 +194,7 @@ class LLMEngine:
             num_cached_kv_blocks=blocks.num_cached_blocks,
             prefix_cache_queried_tokens=blocks.prefix_queried_tokens,
             prefix_cache_hit_tokens=blocks.prefix_hit_tokens,
+            unified_memory=blocks.memory.stats(blocks.num_used_blocks) if blocks.memory is not None else None,
         )
 
     # --- the loop -------------------------------------------------------------------------------------------

@@ -140,6 +140,14 @@ def test_the_share_moves_both_ways_in_one_run(tiny_llama_dir, folders, reference
     assert again["resident"] > SPLIT_ADAPTERS and again["tokens"] == reference["short2"]
     assert memory.stats()["adapter_chunks"] >= adapter_chunks_first - 1
     assert engine.num_preemptions == 0
+    stats = engine.stats().unified_memory
+    assert (
+        stats["bytes_kv"] + stats["bytes_adapters"] + stats["bytes_free"]
+        == memory.num_blocks * memory.block_bytes
+    )
+    assert (
+        stats["bytes_adapters"] > 0 and stats["kv_blocks_used"] == 0 and 0 <= stats["row_fragmentation"] < 1
+    )
 
 
 def test_needed_and_pinned_adapters_are_never_evicted_for_kv(tiny_llama_dir, folders):
