@@ -258,3 +258,47 @@ def test_prefix_cache_goes_with_a_chunk_that_adapters_take(tiny_llama_dir, folde
     assert len(block_manager.lookup(probe)) < 10
     engine.abort(probe.request_id)
     assert engine.generate([prompt], sampling) == first
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_kernels_over_arena_views_equal_plain_pools(backend):
+    """The arena pools' strided views (A and B^T side by side in one row) through both kernel paths (Triton
+    interpreted on the CPU) give what ordinary contiguous pools give, for mixed ranks in one batch."""
+    import os
+
+    from loraplane.kernels import LoRABatchMeta, LoRAPool, lora_apply
+    from loraplane.server.engine.model_config import ModelConfig
+    from loraplane.server.engine.unified_pool import build_unified, chunk_blocks_for
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU Triton needs TRITON_INTERPRET=1")
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+                                 "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "max_position_embeddings": 64})  # fmt: skip
+    blocks = 4 * chunk_blocks_for(cfg, 4)
+    _, memory, arena_pools = build_unified(cfg, blocks, 4, 16, torch.float32, torch.device("cpu"), True)
+    gen = torch.Generator().manual_seed(0)
+    ranks = {0: 16, 1: 3, 2: 8}
+    reqs = [(0, 3), (-1, 2), (1, 4), (2, 1), (0, 2)]
+    meta = LoRABatchMeta(16, "cpu", tile_m=16).build(
+        reqs, [ranks.get(s, 0) for s in range(arena_pools["q_proj"].max_adapters)]
+    )
+    for module in ("k_proj", "down_proj"):
+        arena = arena_pools[module]
+        spec = arena.modules[module]
+        plain = LoRAPool({module: spec}, 2, 64 * LoRAPool.page_bytes_for({module: spec}, 2, 1, torch.float32),
+                         page_rank=1, max_rank=16, max_adapters=arena.max_adapters, dtype=torch.float32)  # fmt: skip
+        for slot, r in ranks.items():
+            for pool in (arena, plain):
+                pool.allocate(r, 0.5, slot=slot)
+            for layer in range(2):
+                a = torch.randn(r, spec.in_dim, generator=gen)
+                b = torch.randn(spec.out_dims[0], r, generator=gen)
+                for pool in (arena, plain):
+                    pool.write(slot, layer, module, 0, a, b)
+        x = torch.randn(12, spec.in_dim, generator=gen)
+        y0 = torch.randn(12, spec.out_dims[0], generator=gen)
+        got = lora_apply(y0.clone(), x, arena, 1, module, meta, backend=backend)
+        want = lora_apply(y0.clone(), x, plain, 1, module, meta, backend="torch")
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert memory.stats()["adapter_chunks"] > 0
