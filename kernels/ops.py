@@ -92,11 +92,18 @@ def lora_apply(
     if y.dtype != pool.dtype:
         raise ValueError(f"y.dtype {y.dtype} differs from the pool's {pool.dtype}")
     if _use_triton(x, backend):
-        from .triton_ops import lora_apply_triton, pick_config
+        from .triton_apply import lora_apply_triton
+        from .triton_ops import pick_config
 
-        cfg = config or pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
         tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
-        return lora_apply_triton(y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg)
+        key = (id(pool), module, x.shape[0], x.stride(0), y.stride(0), config)
+        plan = meta.plans.get(key)
+        if plan is not None:  # every layer after the first of a step: launches only
+            return plan.run(y, x, a, bt, pool.page_table, pool.ranks, pool.scales, meta)
+        cfg = config or pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
+        return lora_apply_triton(
+            y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg, plans=meta.plans, key=key
+        )
     ranks = pool.host_ranks()
     v = shrink_torch(x, a, pool.page_table, ranks, meta, pool.page_rank, pool.max_rank)
     return expand_torch(

@@ -15,18 +15,26 @@ Launch shapes (``LaunchConfig``, ``pick_config``) live in launch_config.py and a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
+from .fast_launch import FastLaunch
 from .launch_config import LaunchConfig, align_hint, pick_config, pow2_at_least, slice_geometry
 from .metadata import LoRABatchMeta
 
-__all__ = ["LaunchConfig", "expand_triton", "lora_apply_triton", "pick_config", "shrink_triton"]
+__all__ = [
+    "LaunchConfig",
+    "expand_args",
+    "expand_launch",
+    "expand_triton",
+    "pick_config",
+    "shrink_args",
+    "shrink_launch",
+    "shrink_triton",
+]
 
 
 @triton.jit
@@ -246,6 +254,35 @@ def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def shrink_launch(x, a, page_table, meta: LoRABatchMeta, page_rank: int, max_rank: int, cfg: LaunchConfig):
+    """Launch shape of one shrink: (FastLaunch or None when there is no work, v's shape)."""
+    num_slices, _, k_dim = a.shape
+    shape = (cfg.split_k, num_slices, x.shape[0], max_rank)
+    bound = meta.capacity if meta.capture else meta.host_num_tiles
+    if not meta.capture and bound == 0:
+        return None, shape
+    k_per = -(-k_dim // cfg.split_k)
+    k_per = -(-k_per // cfg.block_k) * cfg.block_k
+    g = max(1, min(bound, cfg.shrink_programs // cfg.split_k))
+    constexprs = dict(
+        NUM_SLICES=num_slices, SLICES_P2=pow2_at_least(num_slices, 1), PAGE=page_rank,
+        MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.shrink_block_r),
+        BLOCK_R=cfg.shrink_block_r, BLOCK_K=cfg.block_k, K_PER_SPLIT=k_per, PRECISION=_precision(x.dtype),
+        X_ALIGN=align_hint(x.stride(0)), A_ALIGN=align_hint(math.gcd(a.stride(0), a.stride(1))),
+        K_ALIGN=align_hint(k_dim),
+    )  # fmt: skip
+    launch = FastLaunch(_shrink_kernel, (g, cfg.split_k), constexprs, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages)  # fmt: skip
+    return launch, shape
+
+
+def shrink_args(x, a, v, page_table, ranks, meta: LoRABatchMeta) -> tuple:
+    """The shrink kernel's run-time arguments, in order."""
+    bound = meta.capacity if meta.capture else meta.host_num_tiles
+    return (x, x.stride(0), a, a.stride(0), a.stride(1), v, v.stride(0), v.stride(1), v.stride(2),
+            meta.tiles, bound, meta.token_order, page_table, ranks, a.shape[2])  # fmt: skip
+
+
 def shrink_triton(
     x: torch.Tensor,
     a: torch.Tensor,
@@ -263,27 +300,52 @@ def shrink_triton(
 
     x: [T, K]; a: [S, rows, K]. Returns v: [split_k, S, T, max_rank] float32 (``out`` if given).
     """
-    num_slices, _, k_dim = a.shape
-    shape = (cfg.split_k, num_slices, x.shape[0], max_rank)
+    launch, shape = shrink_launch(x, a, page_table, meta, page_rank, max_rank, cfg)
     if out is not None and (out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous float32 {shape}, got {tuple(out.shape)} {out.dtype}")
     v = out if out is not None else torch.empty(shape, dtype=torch.float32, device=x.device)
-    k_per = -(-k_dim // cfg.split_k)
-    k_per = -(-k_per // cfg.block_k) * cfg.block_k
-    bound = meta.capacity if meta.capture else meta.host_num_tiles
-    g = max(1, min(bound, cfg.shrink_programs // cfg.split_k))
-    if not meta.capture and meta.host_num_tiles == 0:
-        return v
-    _shrink_kernel[(g, cfg.split_k)](
-        x, x.stride(0), a, a.stride(0), a.stride(1), v, v.stride(0), v.stride(1), v.stride(2),
-        meta.tiles, bound, meta.token_order, page_table, ranks, k_dim,
-        NUM_SLICES=num_slices, SLICES_P2=pow2_at_least(num_slices, 1), PAGE=page_rank,
-        MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.shrink_block_r), BLOCK_R=cfg.shrink_block_r, BLOCK_K=cfg.block_k,
-        K_PER_SPLIT=k_per, PRECISION=_precision(x.dtype), X_ALIGN=align_hint(x.stride(0)),
-        A_ALIGN=align_hint(math.gcd(a.stride(0), a.stride(1))), K_ALIGN=align_hint(k_dim),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    if launch is not None:
+        launch(*shrink_args(x, a, v, page_table, ranks, meta))
     return v
+
+
+def expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABatchMeta, page_rank: int,
+                  cfg: LaunchConfig, num_slices: int, split: int):  # fmt: skip
+    """Launch shape of one expand (FastLaunch), or None when there is no work. Checks the geometry."""
+    if y.stride(1) != 1 or bt.stride(1) != 1:
+        raise ValueError("y and bt must be contiguous along their last dimension")
+    if bt.shape[1] != sum(out_dims) or y.shape[1] < max(
+        c + w for c, w in zip(slice_starts, out_dims, strict=True)
+    ):
+        raise ValueError(
+            f"bt [{bt.shape[1]} cols] and y [{y.shape[1]} cols] do not hold slices {out_dims} at {slice_starts}"
+        )
+    bound = meta.capacity if meta.capture else meta.host_num_tiles
+    if not meta.capture and bound == 0:
+        return None
+    chunks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.n_chunk)
+    g = max(1, min(bound, cfg.expand_programs // chunks))
+    constexprs = dict(
+        NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
+        BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.block_r), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n,
+        N_CHUNK=cfg.n_chunk, BLOCK_K=cfg.block_k, FUSED=cfg.fused, PRECISION=_precision(y.dtype), **geo,
+        Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)),
+    )  # fmt: skip
+    return FastLaunch(_expand_kernel, (g, chunks), constexprs, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages)  # fmt: skip
+
+
+def expand_args(y, v, bt, page_table, ranks, scales, meta: LoRABatchMeta, x=None, a=None) -> tuple:
+    """The expand kernel's run-time arguments, in order (v None: the fused form reads x and a)."""
+    bound = meta.capacity if meta.capture else meta.host_num_tiles
+    if v is None:
+        v_args = (y, 0, 0, 0)
+        x_args = (x, x.stride(0), a, a.stride(0), a.stride(1), a.shape[2])
+    else:
+        v_args = (v, v.stride(0), v.stride(1), v.stride(2))
+        x_args = (y, 0, y, 0, 0, 0)
+    return (*v_args, *x_args, bt, bt.stride(0), y, y.stride(0), meta.tiles, bound, meta.token_order,
+            page_table, ranks, scales)  # fmt: skip
 
 
 def expand_triton(
@@ -307,71 +369,10 @@ def expand_triton(
 
     y: [T, >= every slice's end]; v: [split_k, S, T, R] float32; bt: [rows, sum(out_dims)] (packed).
     """
-    if y.stride(1) != 1 or bt.stride(1) != 1:
-        raise ValueError("y and bt must be contiguous along their last dimension")
-    if bt.shape[1] != sum(out_dims) or y.shape[1] < max(
-        c + w for c, w in zip(slice_starts, out_dims, strict=True)
-    ):
-        raise ValueError(
-            f"bt [{bt.shape[1]} cols] and y [{y.shape[1]} cols] do not hold slices {out_dims} at {slice_starts}"
-        )
     if cfg.fused and (x is None or a is None):
         raise ValueError("a fused expand needs x and a")
-    bound = meta.capacity if meta.capture else meta.host_num_tiles
-    if not meta.capture and bound == 0:
-        return y
-    chunks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.n_chunk)
-    g = max(1, min(bound, cfg.expand_programs // chunks))
-    if cfg.fused:
-        v_args = (y, 0, 0, 0)
-        x_args = (x, x.stride(0), a, a.stride(0), a.stride(1), a.shape[2])
-        num_slices, split = a.shape[0], 1
-    else:
-        v_args = (v, v.stride(0), v.stride(1), v.stride(2))
-        x_args = (y, 0, y, 0, 0, 0)
-        num_slices, split = v.shape[1], v.shape[0]
-    _expand_kernel[(g, chunks)](
-        *v_args, *x_args, bt, bt.stride(0), y, y.stride(0),
-        meta.tiles, bound, meta.token_order, page_table, ranks, scales,
-        NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
-        BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.block_r), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n, N_CHUNK=cfg.n_chunk,
-        BLOCK_K=cfg.block_k, FUSED=cfg.fused, PRECISION=_precision(y.dtype), **geo,
-        Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    num_slices, split = (a.shape[0], 1) if cfg.fused else (v.shape[1], v.shape[0])
+    launch = expand_launch(y, bt, page_table, out_dims, slice_starts, meta, page_rank, cfg, num_slices, split)
+    if launch is not None:
+        launch(*expand_args(y, None if cfg.fused else v, bt, page_table, ranks, scales, meta, x, a))
     return y
-
-
-def lora_apply_triton(
-    y: torch.Tensor,
-    x: torch.Tensor,
-    a: torch.Tensor,
-    bt: torch.Tensor,
-    pool_tables: tuple,
-    out_dims: tuple[int, ...],
-    slice_starts: tuple[int, ...],
-    meta: LoRABatchMeta,
-    cfg: LaunchConfig,
-) -> torch.Tensor:
-    """shrink + expand (or the fused expand alone). ``pool_tables`` = (page_table, ranks, scales,
-    page_rank, max_rank); slices as in ``ModuleSpec``."""
-    page_table, ranks, scales, page_rank, max_rank = pool_tables
-    cfg = _FALLBACK.get(cfg, cfg)
-    try:
-        v = None
-        if not cfg.fused:
-            v = shrink_triton(x, a, page_table, ranks, meta, page_rank, max_rank, cfg)
-        return expand_triton(
-            y, v, bt, page_table, ranks, scales, out_dims, slice_starts, meta, page_rank, cfg, x, a
-        )
-    except OutOfResources:
-        # Compilation happens on the first call (never inside a graph capture): retry with shallower
-        # pipelines and narrower K tiles, and remember the choice.
-        if cfg.num_stages <= 2 and cfg.block_k <= 32:
-            raise
-        smaller = dataclasses.replace(cfg, num_stages=2, block_k=max(32, cfg.block_k // 2))
-        _FALLBACK[cfg] = smaller
-        return lora_apply_triton(y, x, a, bt, pool_tables, out_dims, slice_starts, meta, smaller)
-
-
-_FALLBACK: dict[LaunchConfig, LaunchConfig] = {}
