@@ -22,14 +22,29 @@ __all__ = ["FastLaunch"]
 _ENABLED = os.environ.get("LORAPLANE_TRITON_FAST_LAUNCH", "1") != "0"
 
 
-def _hooks():
-    """Triton's launch hooks (profilers set them); the fast path only runs while both are unset."""
+def _unset(hook) -> bool:
+    """A launch hook that does nothing: None (older Triton) or an empty hook chain (``.calls``)."""
+    return hook is None or (not getattr(hook, "calls", True) and callable(hook))
+
+
+def _no_hooks() -> bool:
+    """No launch hooks installed (profilers add them): the only state the fast path runs in."""
     try:
         from triton import knobs
 
-        return knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+        return _unset(knobs.runtime.launch_enter_hook) and _unset(knobs.runtime.launch_exit_hook)
     except (ImportError, AttributeError):
-        return None, None
+        return True
+
+
+def _current_stream(device: int):
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream(device)
+
+
+def _on_gpu(args: tuple) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
 
 
 def _signature(args: tuple) -> tuple:
@@ -50,7 +65,7 @@ class FastLaunch:
     by name. Returns nothing; raises what Triton raises (compilation errors on the first call).
     """
 
-    __slots__ = ("fn", "grid", "constexprs", "options", "_run", "_tail", "_sig", "_device")
+    __slots__ = ("fn", "grid", "constexprs", "options", "_run", "_tail", "_sig", "_device", "_tried")
 
     def __init__(self, fn, grid: tuple[int, ...], constexprs: dict, **options) -> None:
         self.fn, self.grid, self.constexprs, self.options = fn, grid, constexprs, options
@@ -58,22 +73,22 @@ class FastLaunch:
         self._tail: tuple = ()
         self._sig: tuple | None = None
         self._device = -1
+        self._tried = False  # recording is tried once; if Triton's call does not fit, its path stays
 
     def __call__(self, *args) -> None:
-        if self._run is not None and _signature(args) == self._sig and _hooks() == (None, None):
-            from triton.runtime.driver import driver
-
+        if self._run is not None and _signature(args) == self._sig and _no_hooks():
             run, function, packed = self._run
             g = self.grid
-            stream = driver.active.get_current_stream(self._device)
-            run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, function, packed,
-                None, None, None, *args, *self._tail)  # fmt: skip
+            # No launch metadata and no hooks: the launcher then calls nothing back into Python.
+            run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, _current_stream(self._device),
+                function, packed, None, None, None, *args, *self._tail)  # fmt: skip
             return
         self._slow(args)
 
     def _slow(self, args: tuple) -> None:
         kernel = None
-        if self._run is None and _ENABLED and args and isinstance(args[0], torch.Tensor) and args[0].is_cuda:
+        if not self._tried and _ENABLED and _on_gpu(args) and _no_hooks():
+            self._tried = True
             try:  # compiles, launches nothing
                 kernel = self.fn.warmup(*args, grid=self.grid, **self.constexprs, **self.options)
             except (AttributeError, TypeError):
@@ -98,8 +113,8 @@ class FastLaunch:
             self._adopt(kernel, run, seen[0], args)
 
     def _adopt(self, kernel, run, call: tuple, args: tuple) -> None:
-        """Keep the launcher when Triton called it as (grid, stream, function, metadata, no launch
-        metadata, no hooks, our args in order, then a constexpr tail); otherwise stay on Triton's path."""
+        """Keep the launcher when Triton called it as (grid, stream, function, metadata, launch metadata,
+        two hooks that do nothing, our args in order, then a constexpr tail); else stay on Triton's path."""
         head, rest = call[:9], call[9:]
         if (
             len(head) < 9
@@ -108,12 +123,14 @@ class FastLaunch:
         ):
             return
         function, packed = getattr(kernel, "function", None), getattr(kernel, "packed_metadata", None)
-        if head[4] is not function or head[5] is not packed or any(h is not None for h in head[6:9]):
+        if head[4] is not function or head[5] is not packed or not (_unset(head[7]) and _unset(head[8])):
             return
         self._tail = tuple(rest[len(args) :])
         self._sig = _signature(args)
-        index = args[0].device.index
-        self._device = index if index is not None else torch.cuda.current_device()
+        device = args[0].device
+        self._device = (
+            device.index if device.index is not None or not args[0].is_cuda else torch.cuda.current_device()
+        )
         self._run = (run, function, packed)
 
 

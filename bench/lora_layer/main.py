@@ -180,6 +180,7 @@ def run(argv: list[str]) -> dict:
     p = argparse.ArgumentParser(prog="bench lora_layer")
     p.add_argument("--baseline", default="kernels", help="kernels/ folder of the 'before' side")
     p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--sections", default="host,graph", help="comma-separated: host, graph")
     args = p.parse_args(argv)
     import sys
 
@@ -193,11 +194,14 @@ def run(argv: list[str]) -> dict:
     weights = {name: torch.randn(sum(MODULES[m][1] for m in members), MODULES[members[0]][0], device="cuda",
                                  dtype=DT) * 0.01 for name, members in PROJ}  # fmt: skip
     rows = []
+    sections = args.sections.split(",")
     for label, T, n, tile_m in (
         ("eager prefill", 256, 4, 64),
         ("eager decode", 64, 64, 16),
         ("eager decode", 64, 1, 16),
     ):
+        if "host" not in sections:
+            break
         h = _host(pools, ranks, old_ops, args.layers, T, n, tile_m)
         for i, what in enumerate(("host", "wall")):
             b, a = h["before"][i], h["after"][i]
@@ -205,6 +209,8 @@ def run(argv: list[str]) -> dict:
                          "after_us": a, "after/before": a / b})  # fmt: skip
             print(rows[-1], flush=True)
     for T, n in ((64, 1), (64, 8), (64, 64), (1, 1), (16, 16)):
+        if "graph" not in sections:
+            break
         g = _graph(pools, ranks[:n], old_ops, args.layers, T, n, weights)
         rows.append({"section": "graph per layer", "case": "decode (4 projections)", "T": T, "n": n,
                      "before_us": g["before"], "after_us": g["after"], "after/before": g["after"] / g["before"],

@@ -84,3 +84,111 @@ def test_fast_launch_is_taken_on_the_gpu():
         _apply(pool, meta, layer, "kv", x, "auto")
     (plan,) = meta.plans.values()
     assert plan.shrink._run is not None and plan.expand._run is not None
+
+
+class _FakeKernel:
+    """A compiled kernel as Triton 3.x keeps it: the launcher behind a ``run`` property over ``_run``."""
+
+    def __init__(self):
+        self._run = None
+        self.function, self.packed_metadata = 0x5EED, ("meta",)
+        self.calls: list[tuple] = []
+
+    @property
+    def run(self):
+        if self._run is None:
+            self._run = self._launch
+        return self._run
+
+    def _launch(self, *call):
+        self.calls.append(call)
+
+
+class _FakeJit:
+    """``fn[grid](*args, **constexprs)`` as Triton calls the launcher: grid, stream, function, metadata,
+    launch metadata, the two hook chains, then every parameter (run-time ones, then constexprs)."""
+
+    def __init__(self, hooks=None):
+        from triton.knobs import HookChain
+
+        self.kernel, self.bindings = _FakeKernel(), 0
+        self.hooks = hooks or (HookChain(), HookChain(reversed=True))
+
+    def warmup(self, *args, grid, **kw):
+        self.bindings += 1
+        return self.kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.bindings += 1
+            k = self.kernel
+            consts = [v for name, v in kw.items() if name.isupper()]
+            k.run(
+                grid[0],
+                grid[1],
+                1,
+                "stream",
+                k.function,
+                k.packed_metadata,
+                {"lazy": 1},
+                *self.hooks,
+                *args,
+                *consts,
+            )
+            return k
+
+        return launch
+
+
+def _fast(monkeypatch, fn):
+    from loraplane.kernels import fast_launch
+
+    monkeypatch.setattr(fast_launch, "_on_gpu", lambda args: True)
+    monkeypatch.setattr(fast_launch, "_current_stream", lambda device: "stream")
+    return fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 16, "MODE": "x"}, num_warps=4)
+
+
+def test_fast_launch_replays_what_triton_passed_and_falls_back_when_specialization_differs(monkeypatch):
+    fn = _FakeJit()
+    launch = _fast(monkeypatch, fn)
+    buf = torch.zeros(64)
+    x, t = buf[:16], torch.zeros(4, dtype=torch.int32)
+    launch(x, 4096, t)  # through Triton, recorded
+    assert fn.bindings == 2 and len(fn.kernel.calls) == 1
+    y = buf[16:32]  # same dtype, 64 bytes on: still 16-byte aligned
+    launch(y, 8192, t)  # direct: no binding
+    assert fn.bindings == 2
+    assert fn.kernel.calls[-1] == (
+        3,
+        2,
+        1,
+        "stream",
+        0x5EED,
+        ("meta",),
+        None,
+        None,
+        None,
+        y,
+        8192,
+        t,
+        16,
+        "x",
+    )
+    launch(buf[1:17], 4096, t)  # 4 bytes off 16-byte alignment: Triton specializes differently
+    launch(x, 4097, t)  # an int that is no longer a multiple of 16
+    launch(x, 1, t)  # an int equal to 1
+    assert fn.bindings == 5 and len(fn.kernel.calls) == 5
+
+
+def test_fast_launch_stays_on_tritons_path_when_the_call_does_not_fit(monkeypatch):
+    from triton.knobs import HookChain
+
+    busy = HookChain()
+    busy.add(lambda md: None)  # a profiler's hook: the fast path would skip it
+    fn = _FakeJit(hooks=(busy, HookChain()))
+    launch = _fast(monkeypatch, fn)
+    x = torch.zeros(16)
+    for _ in range(3):
+        launch(x, 16, x)
+    assert fn.bindings == 1 + 3  # one recording attempt, then Triton's own path (no second binding)
+    assert len(fn.kernel.calls) == 3
