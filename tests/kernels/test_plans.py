@@ -192,3 +192,19 @@ def test_fast_launch_stays_on_tritons_path_when_the_call_does_not_fit(monkeypatc
         launch(x, 16, x)
     assert fn.bindings == 1 + 3  # one recording attempt, then Triton's own path (no second binding)
     assert len(fn.kernel.calls) == 3
+
+
+def test_a_later_step_reuses_the_recorded_launcher(monkeypatch):
+    """Plans are rebuilt each step; the new FastLaunch of the same kernel and shape launches directly."""
+    from loraplane.kernels import fast_launch
+
+    fn = _FakeJit()
+    x = torch.zeros(16)
+    _fast(monkeypatch, fn)(x, 32, x)
+    assert fn.bindings == 2
+    again = fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 16, "MODE": "x"}, num_warps=4)
+    again(x, 48, x)
+    assert fn.bindings == 2 and len(fn.kernel.calls) == 2
+    other = fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 32, "MODE": "x"}, num_warps=4)
+    other(x, 48, x)  # other compile-time values: another kernel, through Triton
+    assert fn.bindings == 4
