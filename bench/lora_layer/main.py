@@ -143,6 +143,7 @@ def _graph(pools, ranks, old_ops, layers: int, T: int, n: int, weights) -> dict:
     meta = LoRABatchMeta(64, "cuda", tile_m=16, capture=True, max_rank=max(ranks))
     meta.build(reqs, ranks)
     xs, ys = _io(T)
+    y0 = {k: v.clone() for k, v in ys.items()}  # replays keep adding into ys: restore before each delta
     res = {}
     outs = {}
     for side in ("after", "before"):
@@ -150,12 +151,11 @@ def _graph(pools, ranks, old_ops, layers: int, T: int, n: int, weights) -> dict:
             _layer_fn(pools, meta, xs, ys, old_ops, layer)[0 if side == "after" else 1]
             for layer in range(layers)
         ]
-        y0 = {k: v.clone() for k, v in ys.items()}
+        for k in ys:
+            ys[k].copy_(y0[k])
         for f in fns[:1]:
             f()
         outs[side] = {k: (ys[k].float() - y0[k].float()) for k in ys}
-        for k in ys:
-            ys[k].copy_(y0[k])
 
         def step(fns=fns):
             for f in fns:
