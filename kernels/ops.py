@@ -144,7 +144,7 @@ def lora_apply_many(
     for (_, e0), (b1, _) in zip(ordered, ordered[1:], strict=False):
         if b1 < e0:
             raise ValueError(f"targets' columns overlap: {ordered}")
-    if _use_triton(x, backend) and 1 < len(targets) <= 4 and _poolable(targets):
+    if _use_triton(x, backend) and 1 < len(targets) <= 4 and _poolable(targets, layer):
         from .triton_apply import lora_apply_pools_triton
         from .triton_ops import pick_config
 
@@ -160,11 +160,14 @@ def lora_apply_many(
     return y
 
 
-def _poolable(targets) -> bool:
-    """One launch pair can serve these pools: single-slice modules, one page geometry and rank bound."""
-    p0 = targets[0][0]
+def _poolable(targets, layer: int) -> bool:
+    """One launch pair can serve these pools: single-slice modules, one page geometry and rank bound,
+    and A rows of one stride (the shrink walks every pool's A with pool 0's row stride)."""
+    p0, m0 = targets[0][0], targets[0][1]
+    stride_ar = p0.a[(layer, m0)].stride(1)
     return all(
         p.modules[m].num_slices == 1
+        and p.a[(layer, m)].stride(1) == stride_ar
         and p.modules[m].slice_starts == (0,)
         and p.page_rank == p0.page_rank
         and p.max_rank == p0.max_rank

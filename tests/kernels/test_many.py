@@ -100,3 +100,22 @@ def test_torch_path_and_bad_targets():
         lora_apply_many(y, x, [(pools["q"], "q", width)], 0, meta)
     with pytest.raises(ValueError, match="x must be"):
         lora_apply_many(y, torch.randn(5, IN + 1), targets, 0, meta)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_pools_with_other_row_strides_take_one_launch_pair_each(device):
+    """A pool whose A rows are views with another stride (memory the caller lays out) cannot share the
+    pooled shrink's single row stride: the call falls back to one lora_apply per pool, same result."""
+    pools, ranks = _pools(device)
+    for layer in range(2):
+        a = pools["k"].a[(layer, "k")]
+        wide = torch.full((1, a.shape[1], IN + 8), float("nan"), device=device)
+        wide[:, :, :IN] = a
+        pools["k"].a[(layer, "k")] = wide[:, :, :IN]
+    meta = LoRABatchMeta(8, device).build([(0, 3), (2, 2), (1, 1)], ranks)
+    targets, width = _targets(pools, ("q", "k", "v"))
+    x = torch.randn(6, IN, device=device)
+    y = torch.randn(6, width, device=device)
+    got = lora_apply_many(y.clone(), x, targets, 1, meta, backend="triton")
+    torch.testing.assert_close(got, _reference(y, x, targets, 1, meta), rtol=1e-4, atol=1e-4)
+    assert not any(k[0] == "pools" for k in meta.plans)
