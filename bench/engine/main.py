@@ -7,7 +7,7 @@
    generate (batch 64, same weights shared in place) and against the end-to-end floor
    (prefill FLOPs / GEMM rate + per decode step (weights + KV) / bandwidth).
 
-    python bench/run.py engine --out DIR [--quick] [--skip-hf]
+    python bench/run.py engine --out DIR [--skip-hf] [--skip-e2e]
 """
 
 from __future__ import annotations
