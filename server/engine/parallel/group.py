@@ -75,7 +75,16 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
 
 
 def destroy_group() -> None:
-    if dist.is_initialized():
+    """Leave the group. NCCL: abort the communicators (a local call that returns at once) instead of
+    destroying them, since a destroy can wait for good once collectives were captured in CUDA graphs (and
+    for a peer that is already gone); nothing is in flight when the group is left."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        from torch.distributed import distributed_c10d
+
+        distributed_c10d._abort_process_group()
+    else:
         dist.destroy_process_group()
 
 

@@ -5,14 +5,17 @@ Startup is symmetric: every rank builds its ModelRunner (load, KV sizing, kernel
 so issues the same collectives in the same order. Then rank 0 broadcasts each step's prepared inputs and the
 workers loop on ``receive -> forward``. Workers die with the driver: each watches its parent's sentinel and
 exits when the parent is gone, however it ended (a SIGKILL included); ``close`` (also at exit) stops them.
+``kill -USR1`` on a worker prints its Python stacks to its stderr (where a group is stuck, and on which call).
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 from datetime import timedelta
@@ -194,6 +197,7 @@ def _exit_with_parent() -> None:
 def worker_main(config, rank: int, size: int, init_method: str, num_threads: int) -> None:
     """Rank ``rank``: build the shard, then run every step rank 0 sends until it says stop."""
     threading.Thread(target=_exit_with_parent, name="loraplane-tp-parent", daemon=True).start()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(num_threads)
     tp = init_group(rank, size, init_method, resolve_device(config.device), STARTUP_TIMEOUT)
     runner = ModelRunner(config, tp=tp)
