@@ -119,7 +119,7 @@ def comm_time(tp, B: int, cfg: ModelConfig, dtype: torch.dtype) -> tuple[float, 
     all-gather of the [B, V/N] logits, captured in CUDA graphs as in the step and timed by replay (on CPU:
     eager, one all-reduce times the count)."""
     h = torch.randn(B, cfg.hidden_size, dtype=dtype, device=tp.device)  # [B, H]
-    logits = torch.randn(B, -(-cfg.vocab_size // tp.size), dtype=torch.float32, device=tp.device)
+    logits = torch.randn(B, -(-cfg.vocab_size // tp.size), dtype=dtype, device=tp.device)  # bf16, as the head
     n = 2 * cfg.num_layers + 1
     reduces = [lambda: dist.all_reduce(h)] * n  # the values overflow; NCCL's speed does not depend on them
     gather = [lambda: tp.all_gather_last(logits)]
