@@ -37,7 +37,7 @@ from loraplane.server.engine.config import EngineConfig
 from loraplane.server.engine.lora_weights import TARGET_MODULES, AdapterWeights, module_shapes
 from loraplane.server.engine.model_config import ModelConfig
 from loraplane.server.engine.model_runner import ModelRunner
-from loraplane.server.engine.parallel.group import destroy_group, init_group
+from loraplane.server.engine.parallel.group import destroy_group, init_group, release_graphs
 from loraplane.server.engine.parallel.loader import random_sharded_model
 from loraplane.server.engine.parallel.lora_sync import shard_adapter
 from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk
@@ -241,10 +241,13 @@ def rank_main(args) -> None:
                 "graphs captured": runner.graphs is not None,
                 f"graph replay vs eager logits, rel. norm error (B={check_b})": graph_err}  # fmt: skip
         Path(args.result).write_text(json.dumps({"rows": rows, "meta": meta}))
-    if tp is not None:
-        destroy_group()
+    if tp is not None:  # the graphs hold the communicator: they go first
+        release_graphs(runner)
+        say(args.rank, f"left the group: {destroy_group(timeout_s=20)}")
     faulthandler.cancel_dump_traceback_later()
     say(args.rank, "done")
+    sys.stdout.flush()
+    os._exit(0)  # nothing left worth finishing (and no group destructor to wait on)
 
 
 def launch(args, tp: int, folder: Path, result: Path) -> dict:

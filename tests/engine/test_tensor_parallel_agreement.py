@@ -31,8 +31,9 @@ def agreement(shape: dict, device: str, tmp_path: Path, watchdog_s: int = 240) -
         init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     out = tmp_path / "errors.json"
     argv = [init, json.dumps(shape), device, str(out), str(watchdog_s)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.engine.tp_agreement", str(r), "2", *argv], cwd=REPO)
-             for r in range(2)]  # fmt: skip
+    # by path, not -m: the repository root on sys.path would shadow the installed loraplane package
+    script = str(Path(__file__).with_name("tp_agreement.py"))
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", *argv], cwd=REPO) for r in range(2)]
     deadline = time.monotonic() + watchdog_s + 30
     try:
         codes = [p.poll() for p in procs]

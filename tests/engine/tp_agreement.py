@@ -3,7 +3,7 @@
 Every rank builds the same whole model with random weights (same seed), then its shard of it; rank 0 compares
 the shard group's logits with the whole model's on a batch of three prefill spans and writes the errors.
 
-    python -m tests.engine.tp_agreement RANK SIZE INIT_METHOD SHAPE_JSON DEVICE OUT_JSON [WATCHDOG_S]
+    python tests/engine/tp_agreement.py RANK SIZE INIT_METHOD SHAPE_JSON DEVICE OUT_JSON [WATCHDOG_S]
 
 A rank still running after WATCHDOG_S seconds prints its stacks and exits (a collective that never pairs up
 fails the test with the place it hung, instead of hanging it).
@@ -74,7 +74,8 @@ def main(rank: int, size: int, init: str, shape: dict, device: str, out: str, wa
     if rank == 0:
         with open(out, "w") as f:
             json.dump(errors, f)
-    destroy_group()
+    left = destroy_group(timeout_s=20)  # no graphs here: it leaves at once
+    say(rank, start, f"left the group: {left}")
     faulthandler.cancel_dump_traceback_later()
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -26,7 +27,7 @@ import torch
 from ..llm_engine import EngineFault
 from ..model_runner import ModelRunner, resolve_device
 from . import lora_sync, step_sync
-from .group import SERVING_TIMEOUT, TPGroup, destroy_group, init_group
+from .group import SERVING_TIMEOUT, TPGroup, destroy_group, init_group, release_graphs
 
 log = logging.getLogger("loraplane.engine.tp")
 
@@ -57,6 +58,7 @@ class TPDriver:
         self.failed: str | None = None  # why the group can no longer step
         self.closed = False
         self.sent = False  # the current forward was sent to the workers
+        self.runner: ModelRunner | None = None  # rank 0's, once built: its graphs go before the group
         threading.Thread(target=self._watch, name="loraplane-tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -136,6 +138,8 @@ class TPDriver:
             if w.is_alive():
                 w.kill()
                 w.join()
+        if self.runner is not None:
+            release_graphs(self.runner)
         destroy_group()
 
 
@@ -176,9 +180,10 @@ def start_tp_runner(config) -> ModelRunner:
         for w in workers:
             w.kill()
             w.join()
+        gc.collect()  # a half-built runner's graphs hold the communicator (see release_graphs)
         destroy_group()
         raise
-    runner.tp_driver = driver
+    runner.tp_driver, driver.runner = driver, runner
     runner.forward_logits = driver.guard(runner.forward_logits)
     runner.warm_adapter = driver.guard(runner.warm_adapter)
     if runner.lora is not None:
@@ -216,7 +221,9 @@ def worker_main(config, rank: int, size: int, init_method: str, num_threads: int
                 inp, num_chunks, table = step_sync.decode_step(header, payload)
                 lora_sync.set_step_metas(runner, header[-1], table)
                 run_step(runner, inp, num_chunks, header[-1])
-    destroy_group()
+    release_graphs(runner)
+    if not destroy_group():
+        os._exit(0)  # the group is stuck; nothing in this process is worth finishing
 
 
 def run_step(runner: ModelRunner, inp, num_chunks: int, lora_kind: int) -> torch.Tensor:
