@@ -101,6 +101,17 @@ class _OwnShard:
         pass
 
 
+def adapter_bytes(cfg: ModelConfig, tp_size: int, rank: int = 16, itemsize: int = 2) -> int:
+    """Bytes one GPU reads per distinct rank-``rank`` adapter of a step: its shard of all seven modules
+    (column-parallel: A whole, B split; row-parallel: A split, B whole; see lora_sync.shard_adapter)."""
+    total = 0
+    for m in TARGET_MODULES:
+        fan_in, fan_out = module_shapes(cfg)[m]
+        a, b = (fan_in // tp_size, fan_out) if m in ("o_proj", "down_proj") else (fan_in, fan_out // tp_size)
+        total += cfg.num_layers * rank * (a + b) * itemsize
+    return total
+
+
 def decode_batch(runner: ModelRunner, B: int, keys: list[str]) -> ScheduledBatch:
     per = -(-(CTX + 1) // runner.block_size)
     chunks = []
@@ -221,7 +232,8 @@ def rank_main(args) -> None:
                 row = {"case": f"decode B={B} ctx={CTX}", "tp": args.tp, "batch": B, "adapters": n_adapters,
                        "step_ms": step_ms, "comm_ms": comm_ms, "all_reduce_us": reduce_ms * 1e3}  # fmt: skip
                 if bw is not None:
-                    row["floor_ms"] = (weight_bytes + B * CTX * kv_token) / bw / 1e6 + comm_ms
+                    read = weight_bytes + B * CTX * kv_token + n_adapters * adapter_bytes(cfg, args.tp)
+                    row["floor_ms"] = read / bw / 1e6 + comm_ms
                     row["x_floor"] = step_ms / row["floor_ms"]
                 if with_adapters:
                     row["x_base"] = step_ms / base_ms[B]
@@ -302,24 +314,36 @@ def run(argv: list[str]) -> dict:
                 r["tp1_over_tpN"] = tp1[(r["batch"], r["adapters"])] / r["step_ms"]
             out["rows"] += single["rows"]
             out["meta"]["TP=1 run"] = single["meta"]
-    columns = ["case", "tp", "adapters", "step_ms", "comm_ms", "all_reduce_us", "floor_ms", "x_floor"]
-    columns += ["x_base"] if args.adapters else []
-    columns += ["tp1_over_tpN"] if args.with_tp1 else []
+    columns, notes = columns_and_notes(args.adapters, args.with_tp1)
     return {
         "title": f"Tensor-parallel decode step: {args.shape}, TP={args.tp}, {args.adapters} adapters",
         "columns": columns,
         "rows": out["rows"],
         "meta": out["meta"],
-        "notes": [
-            "step: ModelRunner.forward_logits on every rank (CUDA graph when the batch fits), median of 20.",
-            "comm: (2 per layer + 1) all-reduces of [B, H] and one all-gather of the logits, alone, each set"
-            " captured in a CUDA graph like the step's and timed by replay.",
-            "floor: (per-GPU weights but the embedding + per-GPU KV of the batch) / copy bandwidth + comm.",
-            "adapters: distinct adapters in the batch (one per sequence, round-robin); x_base: over the "
-            "base-only step of the same batch.",
-            "tp1_over_tpN: the single-GPU engine's step (no process group) over this row's step.",
-        ],
+        "notes": notes,
     }
+
+
+def columns_and_notes(adapters: int, with_tp1: bool) -> tuple[list[str], list[str]]:
+    columns = ["case", "tp", "adapters", "step_ms", "comm_ms", "all_reduce_us", "floor_ms", "x_floor"]
+    columns += ["x_base"] if adapters else []
+    columns += ["tp1_over_tpN"] if with_tp1 else []
+    notes = [
+        "step: ModelRunner.forward_logits on every rank (host preparation of the inputs included; CUDA graph "
+        "when the batch fits), median of 20.",
+        "comm: (2 per layer + 1) all-reduces of [B, H] and one all-gather of the logits, alone, each set"
+        " captured in a CUDA graph like the step's and timed by replay.",
+        "floor: (per-GPU weights but the embedding + per-GPU KV of the batch + per-GPU shards of the"
+        " step's distinct adapters) / copy bandwidth + comm.",
+    ]
+    if adapters:
+        notes.append(
+            "adapters: distinct adapters in the batch (one per sequence, round-robin); x_base: over the "
+            "base-only step of the same batch."
+        )
+    if with_tp1:
+        notes.append("tp1_over_tpN: the single-GPU engine's step (no process group) over this row's step.")
+    return columns, notes
 
 
 if __name__ == "__main__":

@@ -120,16 +120,21 @@ class TPDriver:
                 raise EngineFault(self.failed) from error
 
     def close(self) -> None:
-        """Stop the workers (a stop message, then terminate/kill after a grace period) and leave the group."""
+        """Stop the workers and leave the group: rank 0 drops its graphs, sends stop and leaves the group
+        while the workers do the same (a communicator destroy may wait for its peers), then joins them,
+        terminating (then killing) any still alive after a grace period."""
         if self.closed:
             return
         self.closed = True
+        if self.runner is not None:  # a failed group may never finish its last step: do not wait for it
+            release_graphs(self.runner, wait=self.failed is None)
         if self.failed is None:
             try:
                 with self.lock:
                     step_sync.send(self.tp, step_sync.stop_header())
             except (RuntimeError, EngineFault) as exc:  # a worker already gone: fall through to terminate
                 log.warning("tensor-parallel stop message failed: %s", exc)
+        destroy_group()
         for w in self.workers:
             w.join(_STOP_GRACE_S)
             if w.is_alive():
@@ -138,9 +143,6 @@ class TPDriver:
             if w.is_alive():
                 w.kill()
                 w.join()
-        if self.runner is not None:
-            release_graphs(self.runner)
-        destroy_group()
 
 
 def start_tp_runner(config) -> ModelRunner:
