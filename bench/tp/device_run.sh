@@ -30,7 +30,7 @@ if [[ " $PHASES " == *" 70b "* ]]; then
     --watchdog-s $((L - 10)); stamp "70b bench exit $?"
 fi
 if [[ " $PHASES " == *" tests "* ]]; then
-  L="${LIMIT_TESTS:-95}"; stamp "gpu tests (limit $L s; two pytest processes side by side)"
+  L="${LIMIT_TESTS:-150}"; stamp "gpu tests (limit $L s; two pytest processes side by side)"
   pt() { (cd /tmp && timeout -s ABRT -k 5 "$L" python3 -m pytest --rootdir="$R" -c "$R/pyproject.toml" \
     -o "pythonpath=$LP $R" -p no:cacheprovider -s -v -rs -k gpu "$@"); }
   pt "$R/tests/engine/test_tensor_parallel.py" "$R/tests/engine/test_tensor_parallel_lora.py" \
