@@ -56,6 +56,7 @@ def engines(request, make_hf_model):
         parallel.runner.tp_driver.close()
         torch.set_num_threads(threads)
     assert not any(w.is_alive() for w in parallel.runner.tp_driver.workers)
+    assert not torch.distributed.is_initialized()
 
 
 def mixed_step(vocab: int, block_size: int = 4) -> SimpleNamespace:
@@ -226,3 +227,4 @@ def test_gpu_nccl_greedy_tokens_identical(arch, make_hf_model):
             assert parallel.generate(prompts, greedy) == want
         finally:
             parallel.runner.tp_driver.close()
+        assert not torch.distributed.is_initialized()  # the group was left (its graphs went first)
