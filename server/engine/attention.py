@@ -350,7 +350,7 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     T = q.shape[0]
     varlen = _varlen_inputs(meta, q.device) if meta.prefill and _flash_ok(q) else None
     if varlen is not None and meta.block_tables is None and varlen[:2] == (0, T):
-        return _prefill_flash(q, k, v, k_cache, v_cache, meta, scale, varlen)  # a pure prefill step
+        return _prefill_flash(q, k, v, k_cache, v_cache, meta, scale, varlen).contiguous()  # pure prefill
     out = torch.empty_like(q)
     if varlen is not None:
         out[varlen[0] : varlen[1]] = _prefill_flash(q, k, v, k_cache, v_cache, meta, scale, varlen)
