@@ -264,11 +264,12 @@ def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, H, D: 
 
 # Split policy: (programs without splitting = batch x kv heads, at least) -> splits. Static per batch size,
 # since CUDA graphs need fixed shapes; each split's share of the context adapts to the context at run time.
-# Launch shape: positions per iteration, warps, software-pipelining stages. The values below are the ones the
-# engine benchmark selected on the H200 (kernel timed inside CUDA graphs over contexts 512..8192);
-# bench/NOTES-engine.md records the sweep.
-DECODE_SPLITS: tuple[tuple[int, int], ...] = ((0, 16), (16, 8), (32, 4), (64, 2), (128, 1))
-DECODE_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 2}
+# Launch shape: positions per iteration, warps, software-pipelining stages. Both as the engine benchmark's
+# sweep selected them on the H200 (kernel timed inside CUDA graphs, contexts 512..8192): 16 splits below
+# 16 sequences of 8 kv heads, 4 up to 63 sequences, 1 from 64 on (there one program per (sequence, kv head)
+# already fills the GPU and a split only adds the merge); 3 stages beat 2 by ~4% (bench/NOTES-engine.md).
+DECODE_SPLITS: tuple[tuple[int, int], ...] = ((0, 16), (128, 4), (512, 1))
+DECODE_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 
 
 def set_decode_policy(splits: tuple[tuple[int, int], ...] | None = None, **launch: int) -> None:

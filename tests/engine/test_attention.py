@@ -259,3 +259,20 @@ def test_varlen_inputs_cover_contiguous_spans_only():
     gap = AttentionMetadata(slot_mapping=torch.zeros(9, dtype=torch.int64),
                             prefill=[PrefillSpan(0, 3, 3, -1), PrefillSpan(4, 4, 4, -1)])  # fmt: skip
     assert _varlen_inputs(gap, torch.device("cpu")) is None
+
+
+def test_decode_split_policy_follows_the_table_and_rejects_bad_entries():
+    from loraplane.server.engine import attention
+
+    saved, launch = attention.DECODE_SPLITS, dict(attention.DECODE_LAUNCH)
+    try:
+        attention.set_decode_policy(((0, 8), (64, 2), (256, 1)), num_stages=2)
+        assert [attention.default_num_splits(b, 8) for b in (1, 7, 8, 31, 32, 64)] == [8, 8, 2, 2, 1, 1]
+        assert attention.DECODE_LAUNCH["num_stages"] == 2
+        with pytest.raises(ValueError, match="powers of two"):
+            attention.set_decode_policy(((0, 3),))
+        with pytest.raises(ValueError, match="unknown launch keys"):
+            attention.set_decode_policy(warps=8)
+    finally:
+        attention.DECODE_SPLITS = saved
+        attention.DECODE_LAUNCH.update(launch)
