@@ -312,10 +312,9 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(row + n - 1)
         T = len(ids)
-        # positions and slots start 16-byte aligned whatever T is: Triton specialises pointer alignment, and an
-        # odd T would otherwise compile a second variant of the rope kernel in the middle of serving
         pad, Tp, S = [0] * (T % 2), T + T % 2, len(sample_rows)
-        flat = torch.tensor(ids + pad + positions + pad + slots + sample_rows + gather + dec_rows)  # int64
+        # int64; positions and slots start 16-byte aligned for any T (Triton specialises pointer alignment)
+        flat = torch.tensor(ids + pad + positions + pad + slots + sample_rows + gather + dec_rows)
         flat = flat.to(self.device, non_blocking=True)
         cuts = (Tp + T, 2 * Tp, 2 * Tp + T, 2 * Tp + T + S, 2 * Tp + T + S + len(gather))
         meta = AttentionMetadata(slot_mapping=flat[cuts[1] : cuts[2]], prefill=spans)
