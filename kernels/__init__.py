@@ -5,7 +5,7 @@ metadata in fixed device buffers) and ``lora_apply`` (y += scale * x @ A^T @ B^T
 """
 
 from .metadata import LoRABatchMeta
-from .ops import lora_apply, lora_expand, lora_shrink
+from .ops import lora_apply, lora_apply_many, lora_expand, lora_shrink
 from .pool import RANK_LIMIT, LoRAPool, ModuleSpec, PoolFullError, lora_scale, rank_error
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "ModuleSpec",
     "PoolFullError",
     "lora_apply",
+    "lora_apply_many",
     "lora_expand",
     "lora_scale",
     "lora_shrink",

@@ -126,14 +126,18 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def slice_geometry(out_dims: tuple[int, ...], slice_starts: tuple[int, ...], n_chunk: int):
+def slice_geometry(out_dims: tuple[int, ...], slice_starts: tuple[int, ...], n_chunk: int,
+                   packed_starts: tuple[int, ...] | None = None):  # fmt: skip
     """Compile-time slice table of the expand kernel: (number of column chunks, constexpr kwargs).
 
-    Slice s owns ceil(width_s / n_chunk) chunks; packed B^T columns start at P_s = sum of earlier widths,
-    y columns at slice_starts[s]. RAGGED is set when some width is not a multiple of n_chunk (masked
-    column tiles); unused entries repeat slice 0 so they fold away."""
+    Slice s owns ceil(width_s / n_chunk) chunks; packed B^T columns start at P_s = sum of earlier widths
+    (or ``packed_starts[s]``: 0 for slices kept in pools of their own), y columns at slice_starts[s].
+    RAGGED is set when some width is not a multiple of n_chunk (masked column tiles); unused entries
+    repeat slice 0 so they fold away."""
     geo, begin, packed = {}, 0, 0
     for i, (w, y0) in enumerate(zip(out_dims, slice_starts, strict=True)):
+        if packed_starts is not None:
+            packed = packed_starts[i]
         if i:
             geo[f"CB{i}"] = begin
         geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = packed - begin * n_chunk, packed + w, y0 - packed

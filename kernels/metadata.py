@@ -53,6 +53,7 @@ class LoRABatchMeta:
         "host_num_tiles",
         "host_max_rank",
         "groups",
+        "plans",
     )
 
     def __init__(
@@ -83,6 +84,8 @@ class LoRABatchMeta:
         self.host_max_rank = 0
         # Host copy of the grouping for the torch path: [(slot, row indices int64 tensor)].
         self.groups: list[tuple[int, torch.Tensor]] = []
+        # Launch shapes derived from this step's contents (ops.lora_apply), dropped at every build.
+        self.plans: dict = {}
 
     def _buf_len(self) -> int:
         return self.capacity * 2 + self.capacity * 3 + 1
@@ -99,6 +102,7 @@ class LoRABatchMeta:
         """Fill the buffers for one step. ``ranks[slot]`` is each slot's rank (``LoRAPool.host_ranks()``);
         a request naming a slot of rank 0 (free) is an error. Returns self."""
         slots_np, counts_np = _validate(requests, ranks, self.capacity)
+        self.plans = {}
         total = int(counts_np.sum())
         token_slot = np.repeat(slots_np, counts_np).astype(np.int32)  # [total]
         rows = np.nonzero(token_slot >= 0)[0]

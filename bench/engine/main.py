@@ -7,12 +7,18 @@
    generate (batch 64, same weights shared in place) and against the end-to-end floor
    (prefill FLOPs / GEMM rate + per decode step (weights + KV) / bandwidth).
 
-    python bench/run.py engine --out DIR [--quick] [--skip-hf]
+4. The parts measured against their own floors (floor.py): the paged decode kernel over batch x context
+   inside CUDA graphs (--sweep first picks its split policy and launch shape), a mixed prefill + decode step
+   against the same prefill alone plus the same decode alone, back-to-back prefill steps.
+5. --profile DIR: torch.profiler notes of one decode step and one mixed step (step_profile.py).
+
+    python bench/run.py engine --out DIR [--skip-hf] [--skip-e2e] [--sweep] [--profile DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -31,6 +37,8 @@ from loraplane.server.engine.sequence import SamplingParams, Sequence
 from loraplane.server.engine.weights import hf_state_dict, random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine: floor.py, profile.py
+import floor  # noqa: E402
 from shapes import LLAMA3_8B  # noqa: E402
 
 CTX, BATCHES = 512, (1, 16, 64, 128)
@@ -102,8 +110,8 @@ def decode_rows(runner: ModelRunner, cfg: ModelConfig, bw: float, weight_read: i
         for s in seqs:
             s.num_computed_tokens = CTX - 1
         batch = ScheduledBatch([ScheduledChunk(s, CTX - 1, 1, True) for s in seqs])
-        graph_ms = median_ms(lambda b=batch: runner.forward_logits(b), iters=50)
-        step_ms = median_ms(lambda b=batch: runner.execute(b), iters=50)
+        graph_ms = median_ms(lambda b=batch: runner.forward_logits(b), iters=30)
+        step_ms = median_ms(lambda b=batch: runner.execute(b), iters=30)
         graphs, runner.graphs = runner.graphs, None
         eager_ms = median_ms(lambda b=batch: runner.forward_logits(b), iters=20)
         runner.graphs = graphs
@@ -128,41 +136,6 @@ def e2e_floor(cfg: ModelConfig, n_params: int, bw: float, tflops: float, weight_
         kv = E2E_REQUESTS * (E2E_IN + j) * kv_bytes_per_token(cfg)
         seconds += (weight_read + kv) / (bw * 1e9)
     return seconds
-
-
-def attention_rows(runner: ModelRunner, bw: float) -> list[dict]:
-    """The paged decode kernel alone on one layer's cache, B=64 x ctx 512, a few launch configurations."""
-    from loraplane.server.engine.attention import paged_decode
-
-    cfg, B = runner.model_config, 64
-    layer = runner.model.model.layers[0].self_attn
-    per = -(-CTX // runner.block_size)
-    tables = torch.arange(B * per, dtype=torch.int32, device="cuda").view(B, per)
-    lens = torch.full((B,), CTX, dtype=torch.int32, device="cuda")
-    q = torch.randn(B, cfg.num_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda")
-    kv_bytes = B * CTX * 2 * cfg.num_kv_heads * cfg.head_dim * 2
-    rows = []
-    configs = [
-        (64, 4, 2, 1),
-        (64, 4, 2, 2),
-        (64, 4, 2, 4),
-        (64, 4, 2, 8),
-        (64, 4, 3, 4),
-        (32, 4, 2, 4),
-        (64, 8, 2, 4),
-    ]
-    for block_n, warps, stages, splits in configs:
-        ms = median_ms(
-            lambda n=block_n, w=warps, st=stages, sp=splits: paged_decode(
-                q, layer.k_cache, layer.v_cache, tables, lens, 0.088, None, n, w, st, sp
-            ),
-            iters=50,
-        )
-        rows.append({"case": f"attn B={B} ctx={CTX} block_n={block_n} warps={warps} stages={stages} splits={splits}",
-                     "batch": B, "graph_ms": ms, "floor_ms": kv_bytes / bw / 1e6,
-                     "x_floor": ms / (kv_bytes / bw / 1e6)})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-    return rows
 
 
 def breakdown_rows(
@@ -268,6 +241,12 @@ def run(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="bench engine")
     parser.add_argument("--skip-hf", action="store_true", help="skip transformers generate")
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument(
+        "--sweep", action="store_true", help="select the decode split policy first (floor.py)"
+    )
+    parser.add_argument(
+        "--profile", default=None, help="folder for profile-decode.md and profile-mixed.md (step_profile.py)"
+    )
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     ceil = ceilings()
@@ -284,9 +263,32 @@ def run(argv: list[str]) -> dict:
     t0 = time.perf_counter()
     runner = ModelRunner(engine_cfg, model=model, model_config=cfg)
     init_s = time.perf_counter() - t0
-    rows = decode_rows(runner, cfg, bw, weight_read)
+    rows, policy = [], None
+    if args.sweep and hasattr(floor.attention, "set_decode_policy"):
+        sweep, policy = floor.sweep_decode_policy(runner, bw, lambda d: print(json.dumps(d), flush=True))
+        print(json.dumps({"policy": policy}), flush=True)
+        floor.attention.set_decode_policy(**policy)
+        rows += sweep
+        sizes = runner.graphs.batch_sizes  # captured again under the selected policy
+        runner.graphs = None
+        gc.collect()
+        runner._capture_graphs(sizes)
+    rows += decode_rows(runner, cfg, bw, weight_read)
     rows += breakdown_rows(runner, weight_read, bw, tflops, n_params)
-    rows += attention_rows(runner, bw)
+    rows += floor.attention_rows(runner, bw)
+    for r in rows[-len(floor.ATTN_POINTS) :]:
+        print(json.dumps(r), flush=True)
+    rows += floor.mixed_rows(runner)
+    sustained = floor.sustained_prefill(runner)
+    print(json.dumps(rows[-6:] + [sustained]), flush=True)
+    profiled = None
+    if args.profile:
+        from step_profile import profile_steps
+
+        seqs = make_seqs(runner, 64, CTX)
+        decode = ScheduledBatch([ScheduledChunk(s, CTX - 1, 1, True) for s in seqs])
+        profiled = profile_steps(runner, decode, Path(args.profile))
+        print(json.dumps(profiled), flush=True)
     floor_s = e2e_floor(cfg, n_params, bw, tflops, weight_read)
     ours = None if args.skip_e2e else run_engine_e2e(runner, engine_cfg)
     rows.append({"case": f"e2e {E2E_REQUESTS}x{E2E_IN}->{E2E_OUT} floor", "tok_s": E2E_REQUESTS * E2E_OUT / floor_s,
@@ -331,6 +333,12 @@ def run(argv: list[str]) -> dict:
             "e2e step timing (s)": None
             if ours is None
             else {k: round(v, 3) for k, v in ours["timing"].items()},
+            "e2e per-step summary": None
+            if ours is None
+            else floor.e2e_summary(ours["steps"], ours["timing"]),
+            "decode policy (selected by --sweep)": policy,
+            "back-to-back 8192-token prefill steps (ms)": sustained,
+            "profile (ms per step)": profiled,
         },
         "e2e_steps (kind, tokens, ms)": None if ours is None else ours["steps"],
         "notes": [

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200 (repo root, loraplane not installed): every GPU test of kernels/, then the before/after
+# On any CUDA machine (repo root; loraplane need not be installed): every GPU test of kernels/, then the before/after
 # benchmark of this tree's kernels against a baseline kernels/ folder (ab.py), in one run.
 #   BASELINE=path/to/baseline/kernels bash bench/kernels/device_ab.sh   (results under ${OUT:-bench/results})
 # While the tests run, one process per shape compiles the benchmark's kernels (Triton's disk cache), so
@@ -8,6 +8,7 @@ set -o pipefail
 source scripts/device_env.sh
 R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"; B="${BASELINE:?BASELINE=baseline kernels/ folder}"
 export PYTHONUNBUFFERED=1
+mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 for s in q_proj qkv gate_up down; do
   python3 bench/run.py kernels --out "/tmp/warm-$s" --ab "$B" --warm-only --shapes "$s" --no-ragged >"/tmp/warm-$s.log" 2>&1 &

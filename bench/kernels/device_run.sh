@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# On the H200 (repo root, loraplane not installed): GPU tests of kernels/, then the benchmark.
+# On any CUDA machine (repo root; loraplane need not be installed): GPU tests of kernels/, then the benchmark.
 #   bash bench/kernels/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
 set -o pipefail
 source scripts/device_env.sh
 R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"
 export PYTHONUNBUFFERED=1
+mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ -z "$SKIP_TESTS" ]; then
   (cd /tmp && timeout 240 pytest --rootdir="$R" -c "$R/pyproject.toml" -o "pythonpath=$LP $R" -p no:cacheprovider \

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the H200 (repo root, loraplane not installed): the multi-LoRA GPU tests, then the multi-LoRA benchmark.
+# On any CUDA machine (repo root; loraplane need not be installed): the multi-LoRA GPU tests, then the multi-LoRA benchmark.
 #   OUT=DIR bash bench/lora/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
 #   SKIP_TESTS=1 skips the tests; SKIP_BENCH=1 skips the benchmark.
 set -o pipefail

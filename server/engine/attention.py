@@ -4,9 +4,12 @@ Layout: per layer ``k_cache``/``v_cache`` of shape [num_blocks, block_size, num_
 position p of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
 
 Paths (semantics identical: a query at position p attends causally to positions [0, p] of its sequence):
-- prefill spans (any chunk on CPU; multi-token chunks on GPU): gather the span's context from the cache and
-  call SDPA with a bottom-right causal mask; a span whose context is only itself skips the gather;
-- decode rows (single-token chunks on GPU): a Triton paged flash-decoding kernel that walks block tables.
+- prefill spans on GPU in bf16/fp16: one variable-length flash-attention call for every span of the step
+  (grouped-query heads served natively, causal mask aligned bottom-right per span); a span whose context is only
+  itself reads its K/V rows as they are, a continued span reads its context gathered from the cache;
+- prefill spans otherwise (CPU, fp32): one SDPA call per span with a bottom-right causal mask;
+- decode rows (single-token chunks on GPU): a Triton paged flash-decoding kernel that walks block tables,
+  optionally splitting each context over several programs (flash-decoding) and merging the partial results.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class AttentionMetadata:
     decode_rows: torch.Tensor | None = None  # [Bd] int64 rows for the decode kernel; None: every row
     block_tables: torch.Tensor | None = None  # [Bd, W] int32; None: no decode rows
     seq_lens: torch.Tensor | None = None  # [Bd] int32 context length incl. the new token
+    varlen: tuple | None = None  # derived by the first layer (_varlen_inputs), shared by the others
 
 
 # --------------------------------------------------------------------------------------------- KV write
@@ -123,15 +127,70 @@ def _prefill(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, o
         out[rows] = _sdpa_span(q[rows], ks, vs, scale)
 
 
+# ------------------------------------------------------------------------ prefill (varlen flash attention)
+def _flash_ok(q: torch.Tensor) -> bool:
+    """Flash attention's reach: CUDA, half precision, head_dim a multiple of 8 up to 256."""
+    D = q.shape[-1]
+    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and D % 8 == 0 and D <= 256
+
+
+def _varlen_inputs(meta: AttentionMetadata, device: torch.device) -> tuple | None:
+    """(first row, last row, cu_seqlens_q, cu_seqlens_k, max_q, max_k) of the prefill spans, or None when
+    they do not cover one contiguous run of rows in order (then each span runs on its own). Built on the host
+    from the spans alone, once per step (every layer reuses it)."""
+    if meta.varlen is None:
+        spans, cu_q, cu_k, ok = meta.prefill, [0], [0], True
+        for a, b in zip(spans, spans[1:], strict=False):
+            ok &= a.q_start + a.q_len == b.q_start
+        for s in spans:
+            cu_q.append(cu_q[-1] + s.q_len)
+            cu_k.append(cu_k[-1] + s.ctx_len)
+        cu = torch.tensor(cu_q + cu_k, dtype=torch.int32).to(device, non_blocking=True)
+        n = len(cu_q)
+        meta.varlen = (spans[0].q_start, spans[0].q_start + cu_q[-1], cu[:n], cu[n:],
+                       max(s.q_len for s in spans), max(s.ctx_len for s in spans)) if ok else ()  # fmt: skip
+    return meta.varlen or None
+
+
+def _prefill_flash(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, varlen: tuple):
+    """Every prefill span in one flash-attention call -> [rows of the spans, Hq, D]. Flash's causal mask is
+    aligned bottom-right when a span's context is longer than its queries, as a continued chunk needs."""
+    first, last, cu_q, cu_k, max_q, max_k = varlen
+    H, D = k.shape[1], k.shape[2]
+    if meta.gather_slots is None or not meta.gather_slots.numel():
+        ks, vs = k[first:last], v[first:last]  # every context is the span itself: the rows as they are
+    else:  # a continued span reads its context from the cache; fresh spans their own rows
+        k_ctx = k_cache.view(-1, H, D).index_select(0, meta.gather_slots)  # [sum gathered ctx, Hkv, D]
+        v_ctx = v_cache.view(-1, H, D).index_select(0, meta.gather_slots)
+        pk, pv = [], []
+        for s in meta.prefill:
+            if s.gather_start < 0:
+                rows = slice(s.q_start, s.q_start + s.q_len)
+                pk.append(k[rows])
+                pv.append(v[rows])
+            else:
+                ctx = slice(s.gather_start, s.gather_start + s.ctx_len)
+                pk.append(k_ctx[ctx])
+                pv.append(v_ctx[ctx])
+        ks, vs = torch.cat(pk), torch.cat(pv)  # [sum ctx_len, Hkv, D]
+    return torch.ops.aten._flash_attention_forward(
+        q[first:last], ks, vs, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale
+    )[0]
+
+
 # ------------------------------------------------------------------------------------ decode (Triton)
-@triton.jit
+# stride_bt is the block-table width, which varies from step to step outside CUDA graphs: not specialised, so
+# that a width divisible by 16 does not compile a second variant in the middle of serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_ptr, ml_ptr, scale,
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
-                         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                         NUM_SPLITS, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
+                         D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
                          IEEE: tl.constexpr):  # fmt: skip
     """Program (b, kv head, split): the GROUP q heads sharing a kv head are the rows of one tl.dot; the split
-    walks its share of the context, BLOCK_N positions (several pages) per iteration, with an online softmax."""
+    walks its share of the context, BLOCK_N positions (several pages) per iteration, with an online softmax.
+    NUM_SPLITS is a run-time argument (Triton specialises the value 1), so one compiled kernel serves every
+    split count."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -203,26 +262,53 @@ def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, H, D: 
     tl.store(out_ptr + b * stride_ot + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-# Split the context only while (batch x kv heads) leaves SMs idle: measured on the H200 (B=64, ctx 512, one
-# layer) 1 split took 74 us, 2/4/8 splits 89/92/91 us; at B=1 16 splits cut the step 5.08 -> 4.89 ms.
-_TARGET_PROGRAMS = 128
+# Split policy: (programs without splitting = batch x kv heads, at least) -> splits. Static per batch size,
+# since CUDA graphs need fixed shapes; each split's share of the context adapts to the context at run time.
+# Launch shape: positions per iteration, warps, software-pipelining stages. Both as the engine benchmark's
+# sweep selected them on the H200 (kernel timed inside CUDA graphs, contexts 512..8192): 16 splits below
+# 16 sequences of 8 kv heads, 4 up to 63 sequences, 1 from 64 on (there one program per (sequence, kv head)
+# already fills the GPU and a split only adds the merge); 3 stages beat 2 by ~4% (bench/NOTES-engine.md).
+DECODE_SPLITS: tuple[tuple[int, int], ...] = ((0, 16), (128, 4), (512, 1))
+DECODE_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 3}
+
+
+def set_decode_policy(splits: tuple[tuple[int, int], ...] | None = None, **launch: int) -> None:
+    """Replace the split table and/or launch shape (benchmarks; before CUDA graphs are captured)."""
+    global DECODE_SPLITS
+    if splits is not None:
+        for _, n in splits:
+            if n < 1 or n & (n - 1):
+                raise ValueError(f"set_decode_policy.splits: split counts must be powers of two, got {n}")
+        DECODE_SPLITS = tuple(sorted(splits))
+    unknown = set(launch) - set(DECODE_LAUNCH)
+    if unknown:
+        raise ValueError(f"set_decode_policy: unknown launch keys {sorted(unknown)}")
+    DECODE_LAUNCH.update(launch)
 
 
 def default_num_splits(batch: int, num_kv_heads: int) -> int:
-    """Static per batch size (CUDA graphs need fixed shapes): splits only when (batch x kv heads) is small."""
-    want = _TARGET_PROGRAMS // max(1, batch * num_kv_heads)
-    return 1 if want <= 1 else min(16, 1 << (want.bit_length() - 1))  # a power of two (merge kernel's arange)
+    """Splits for a decode batch: the table entry with the largest program threshold <= batch x kv heads."""
+    programs, splits = batch * num_kv_heads, 1
+    for threshold, n in DECODE_SPLITS:
+        if programs >= threshold:
+            splits = n
+    return splits
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, block_n: int = 64,
-                 num_warps: int = 4, num_stages: int = 2, num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
-    """q: [B, Hq, D]; caches [N, bs, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32 -> [B, Hq, D]."""
+                 seq_lens: torch.Tensor, scale: float, out: torch.Tensor | None = None, block_n: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
+    """q: [B, Hq, D]; caches [N, bs, Hkv, D]; block_tables [B, W] int32; seq_lens [B] int32 -> [B, Hq, D].
+    Launch arguments left None follow DECODE_SPLITS / DECODE_LAUNCH."""
     B, Hq, D = q.shape
     _, block_size, Hkv, _ = k_cache.shape
     assert q.stride(-1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1
     group, d_pad = Hq // Hkv, max(16, triton.next_power_of_2(D))
+    block_n = DECODE_LAUNCH["block_n"] if block_n is None else block_n
+    num_warps = DECODE_LAUNCH["num_warps"] if num_warps is None else num_warps
+    num_stages = DECODE_LAUNCH["num_stages"] if num_stages is None else num_stages
     splits = default_num_splits(B, Hkv) if num_splits is None else num_splits
     assert splits & (splits - 1) == 0, f"num_splits must be a power of two, got {splits}"
     out = torch.empty_like(q) if out is None else out
@@ -233,9 +319,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _paged_decode_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, ml, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=max(block_n, block_size), NUM_SPLITS=splits, IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        BLOCK_N=max(block_n, block_size), IEEE=q.dtype == torch.float32, num_warps=num_warps,
         num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -262,10 +348,21 @@ def paged_attention(q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: f
     """q: [T, Hq, D]; k, v: [T, Hkv, D] (already in the cache) -> [T, Hq, D]."""
     if meta.block_tables is not None and meta.decode_rows is None:
         return paged_decode(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale)
+    T = q.shape[0]
+    varlen = _varlen_inputs(meta, q.device) if meta.prefill and _flash_ok(q) else None
+    if varlen is not None and meta.block_tables is None and varlen[:2] == (0, T):
+        return _prefill_flash(q, k, v, k_cache, v_cache, meta, scale, varlen).contiguous()  # pure prefill
     out = torch.empty_like(q)
-    if meta.prefill:
+    if varlen is not None:
+        out[varlen[0] : varlen[1]] = _prefill_flash(q, k, v, k_cache, v_cache, meta, scale, varlen)
+    elif meta.prefill:
         _prefill(q, k, v, k_cache, v_cache, meta, scale, out)
     if meta.block_tables is not None:
-        out[meta.decode_rows] = paged_decode(q[meta.decode_rows], k_cache, v_cache, meta.block_tables,
-                                             meta.seq_lens, scale)  # fmt: skip
+        num_dec = meta.block_tables.shape[0]
+        if varlen is not None and varlen[:2] == (num_dec, T):  # the decode rows come first: write in place
+            tables, lens = meta.block_tables, meta.seq_lens
+            paged_decode(q[:num_dec], k_cache, v_cache, tables, lens, scale, out=out[:num_dec])
+        else:
+            out[meta.decode_rows] = paged_decode(q[meta.decode_rows], k_cache, v_cache, meta.block_tables,
+                                                 meta.seq_lens, scale)  # fmt: skip
     return out

@@ -3,7 +3,8 @@
 The model files know nothing of LoRA: ``wrap_model`` swaps each packed projection for a ``LoRALinear`` that
 keeps the original as ``base_layer``. Every projection runs its base GEMM for all tokens, then, for each
 PEFT module packed in it (q, k, v in ``qkv_proj``; gate, up in ``gate_up_proj``), one ``lora_apply`` into
-that module's column range of the output.
+that module's column range of the output (q, k, v and gate, up: one ``lora_apply_many`` for the
+projection, one launch pair on the GPU).
 
 Memory follows what each adapter has: there is one ``LoRAPool`` per PEFT module (q_proj ... down_proj),
 each with its own page table and rank-1 pages, so an adapter costs pages only in the modules it targets,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, lora_apply
+from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, lora_apply, lora_apply_many
 
 from .lora_weights import TARGET_MODULES, module_shapes
 from .model import packed_output_sizes
@@ -61,10 +62,14 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)  # [T, out_total]
-        for module, c0, c1 in self.slices:
-            meta = self.state.metas[module]
-            if meta is not None:  # None: no token of this step has this module
-                lora_apply(y[:, c0:c1], x, self.state.pools[module], self.layer, module, meta)
+        metas, pools = self.state.metas, self.state.pools
+        live = [(module, c0, c1) for module, c0, c1 in self.slices if metas[module] is not None]
+        if len(live) > 1 and all(metas[m] is metas[live[0][0]] for m, _, _ in live):
+            # One shrink and one expand launch for q, k, v (gate, up): they share x and the step's metadata.
+            targets = [(pools[m], m, c0) for m, c0, _ in live]
+            return lora_apply_many(y, x, targets, self.layer, metas[live[0][0]])
+        for module, c0, c1 in live:  # metas[module] None: no token of this step has this module
+            lora_apply(y[:, c0:c1], x, pools[module], self.layer, module, metas[module])
         return y
 
 

@@ -345,9 +345,11 @@ class ModelRunner:
             if chunk.sample:
                 sample_rows.append(row + n - 1)
         T = len(ids)
-        flat = torch.tensor(ids + positions + slots + sample_rows + gather + dec_rows, dtype=torch.int64)
+        pad, Tp, S = [0] * (T % 2), T + T % 2, len(sample_rows)
+        # int64; positions and slots start 16-byte aligned for any T (Triton specialises pointer alignment)
+        flat = torch.tensor(ids + pad + positions + pad + slots + sample_rows + gather + dec_rows)
         flat = flat.to(self.device, non_blocking=True)
-        cuts = (T, 2 * T, 3 * T, 3 * T + len(sample_rows), 3 * T + len(sample_rows) + len(gather))
+        cuts = (Tp + T, 2 * Tp, 2 * Tp + T, 2 * Tp + T + S, 2 * Tp + T + S + len(gather))
         meta = AttentionMetadata(slot_mapping=flat[cuts[1] : cuts[2]], prefill=spans)
         if gather:
             meta.gather_slots = flat[cuts[3] : cuts[4]]
@@ -358,7 +360,7 @@ class ModelRunner:
             meta.block_tables = torch.tensor(padded, dtype=torch.int32).to(self.device, non_blocking=True)
             meta.seq_lens = torch.tensor(dec_lens, dtype=torch.int32).to(self.device, non_blocking=True)
             meta.decode_rows = None if decode_only else flat[cuts[4] :]
-        return StepInputs(flat[:T], flat[T : 2 * T], meta, flat[cuts[2] : cuts[3]], decode_only)
+        return StepInputs(flat[:T], flat[Tp : cuts[0]], meta, flat[cuts[2] : cuts[3]], decode_only)
 
     def _sampling_metadata(self, batch) -> SamplingMetadata:
         params = [c.seq.sampling for c in batch.chunks if c.sample]

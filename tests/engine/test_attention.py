@@ -171,3 +171,108 @@ def test_fused_rope_and_kv_store_matches_reference(dtype, hq, hkv, D):
         keep = slots >= 0
         assert torch.equal(kc[slots[keep]], x[keep, hq : hq + hkv])
         assert torch.equal(vc[slots[keep]], x[keep, hq + hkv :])
+
+
+def _step_case(specs, hq, hkv, D, bs, dtype, device):
+    """specs: per chunk (kind, history, new tokens): 'decode' (1 new), 'fresh' (no history) or 'cont'.
+    Builds a paged cache holding each history, the step's rows in spec order, its metadata like the runner's,
+    and the fp32 causal reference of every row."""
+    k_cache = torch.randn(64, bs, hkv, D, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    blocks = list(range(64))
+    random.Random(3).shuffle(blocks)
+    rows_k, rows_v, slots, spans, gather, dec_rows, tables, lens, refs = [], [], [], [], [], [], [], [], []
+    row, q_all = 0, []
+    for kind, hist, n in specs:
+        end = hist + n
+        table = [blocks.pop() for _ in range(-(-end // bs))]
+        ks = torch.randn(end, hkv, D, dtype=dtype, device=device)
+        vs = torch.randn_like(ks)
+        sl = [table[p // bs] * bs + p % bs for p in range(end)]
+        k_cache.view(-1, hkv, D)[sl] = ks
+        v_cache.view(-1, hkv, D)[sl] = vs
+        q = torch.randn(n, hq, D, dtype=dtype, device=device)
+        q_all.append(q)
+        rows_k.append(ks[hist:])
+        rows_v.append(vs[hist:])
+        slots += sl[hist:]
+        if kind == "decode":
+            dec_rows.append(row)
+            tables.append(table)
+            lens.append(end)
+        elif hist == 0:
+            spans.append(PrefillSpan(row, n, n, -1))
+        else:
+            spans.append(PrefillSpan(row, n, end, len(gather)))
+            gather += sl
+        g = hq // hkv
+        kk, vv = ks.float().repeat_interleave(g, 1), vs.float().repeat_interleave(g, 1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * D**-0.5
+        mask = torch.arange(end, device=device)[None, :] <= torch.arange(hist, end, device=device)[:, None]
+        refs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), vv))
+        row += n
+    width = max((len(t) for t in tables), default=0)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=device), prefill=spans)
+    if gather:
+        meta.gather_slots = torch.tensor(gather, device=device)
+    if dec_rows:
+        meta.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                         device=device)  # fmt: skip
+        meta.seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        meta.decode_rows = None if not spans else torch.tensor(dec_rows, device=device)
+    return torch.cat(q_all), torch.cat(rows_k), torch.cat(rows_v), k_cache, v_cache, meta, torch.cat(refs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA (flash attention)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "specs",
+    [
+        [("fresh", 0, 37), ("fresh", 0, 64), ("fresh", 0, 5)],  # a pure prefill step: one varlen call
+        [("decode", 40, 1), ("decode", 7, 1), ("cont", 45, 19), ("fresh", 0, 33)],  # decode rows first
+        [("cont", 100, 1), ("cont", 17, 30), ("decode", 90, 1), ("fresh", 0, 12)],  # decode row in between
+        [("decode", 16, 1), ("cont", 64, 64), ("cont", 3, 2)],  # continued spans only
+    ],
+)
+def test_gpu_varlen_prefill_and_decode_rows_match_reference(dtype, specs):
+    """On the GPU the prefill spans of a step run as one flash-attention call (bottom-right causal per span,
+    grouped-query heads); decode rows that come first are written in place. Every row matches fp32 attention."""
+    torch.manual_seed(5)
+    for hq, hkv, D in [(8, 2, 128), (6, 3, 64)]:
+        q, k, v, k_cache, v_cache, meta, ref = _step_case(specs, hq, hkv, D, 16, dtype, DEVICE)
+        q, k, v = torch.cat([q, k, v], dim=1).split([hq, hkv, hkv], dim=1)  # views of one qkv
+        out = paged_attention(q, k, v, k_cache, v_cache, meta, D**-0.5)
+        assert out.shape == ref.shape and torch.isfinite(out).all()
+        assert rel_err(out, ref) < 1e-2, (hq, hkv, D)
+
+
+def test_varlen_inputs_cover_contiguous_spans_only():
+    """The varlen path needs the spans' rows as one run in order; otherwise each span runs on its own."""
+    from loraplane.server.engine.attention import _varlen_inputs
+
+    meta = AttentionMetadata(slot_mapping=torch.zeros(9, dtype=torch.int64),
+                             prefill=[PrefillSpan(2, 3, 3, -1), PrefillSpan(5, 4, 10, 0)])  # fmt: skip
+    first, last, cu_q, cu_k, max_q, max_k = _varlen_inputs(meta, torch.device("cpu"))
+    assert (first, last, max_q, max_k) == (2, 9, 4, 10)
+    assert cu_q.tolist() == [0, 3, 7] and cu_k.tolist() == [0, 3, 13]
+    gap = AttentionMetadata(slot_mapping=torch.zeros(9, dtype=torch.int64),
+                            prefill=[PrefillSpan(0, 3, 3, -1), PrefillSpan(4, 4, 4, -1)])  # fmt: skip
+    assert _varlen_inputs(gap, torch.device("cpu")) is None
+
+
+def test_decode_split_policy_follows_the_table_and_rejects_bad_entries():
+    from loraplane.server.engine import attention
+
+    saved, launch = attention.DECODE_SPLITS, dict(attention.DECODE_LAUNCH)
+    try:
+        attention.set_decode_policy(((0, 8), (64, 2), (256, 1)), num_stages=2)
+        assert [attention.default_num_splits(b, 8) for b in (1, 7, 8, 31, 32, 64)] == [8, 8, 2, 2, 1, 1]
+        assert attention.DECODE_LAUNCH["num_stages"] == 2
+        with pytest.raises(ValueError, match="powers of two"):
+            attention.set_decode_policy(((0, 3),))
+        with pytest.raises(ValueError, match="unknown launch keys"):
+            attention.set_decode_policy(warps=8)
+    finally:
+        attention.DECODE_SPLITS = saved
+        attention.DECODE_LAUNCH.update(launch)

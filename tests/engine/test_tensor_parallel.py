@@ -26,6 +26,7 @@ from loraplane.server.engine.parallel.loader import load_sharded_model
 from loraplane.server.engine.parallel.step_sync import decode_step, encode_step, payload_size
 from loraplane.server.engine.sequence import SamplingParams
 from loraplane.server.engine.weights import load_model
+from tests.engine.tp_watch import stacks_after
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -55,6 +56,7 @@ def engines(request, make_hf_model):
         parallel.runner.tp_driver.close()
         torch.set_num_threads(threads)
     assert not any(w.is_alive() for w in parallel.runner.tp_driver.workers)
+    assert not torch.distributed.is_initialized()
 
 
 def mixed_step(vocab: int, block_size: int = 4) -> SimpleNamespace:
@@ -217,10 +219,12 @@ def test_gpu_nccl_greedy_tokens_identical(arch, make_hf_model):
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (3, 17, 40, 9)]
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    want = LLMEngine(config(1)).generate(prompts, greedy)
-    parallel = LLMEngine(config(2))
-    try:
-        assert parallel.runner.graphs is not None  # decode steps replay graphs holding the all-reduces
-        assert parallel.generate(prompts, greedy) == want
-    finally:
-        parallel.runner.tp_driver.close()
+    with stacks_after(120):
+        want = LLMEngine(config(1)).generate(prompts, greedy)
+        parallel = LLMEngine(config(2))
+        try:
+            assert parallel.runner.graphs is not None  # decode steps replay graphs holding the all-reduces
+            assert parallel.generate(prompts, greedy) == want
+        finally:
+            parallel.runner.tp_driver.close()
+        assert not torch.distributed.is_initialized()  # the group was left (its graphs went first)

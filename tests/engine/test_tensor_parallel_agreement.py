@@ -8,6 +8,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,21 +24,28 @@ LLAMA3_8B = dict(_LLAMA, vocab_size=128256, hidden_size=4096, intermediate_size=
                  num_attention_heads=32, num_key_value_heads=8)  # fmt: skip
 
 
-def agreement(shape: dict, device: str, tmp_path: Path) -> dict:
+def agreement(shape: dict, device: str, tmp_path: Path, watchdog_s: int = 240) -> dict:
+    """Run both ranks; the first to fail (or the watchdog) stops the other at once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     out = tmp_path / "errors.json"
-    argv = [init, json.dumps(shape), device, str(out)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.engine.tp_agreement", str(r), "2", *argv], cwd=REPO)
-             for r in range(2)]  # fmt: skip
+    argv = [init, json.dumps(shape), device, str(out), str(watchdog_s)]
+    # by path, not -m: the repository root on sys.path would shadow the installed loraplane package
+    script = str(Path(__file__).with_name("tp_agreement.py"))
+    procs = [subprocess.Popen([sys.executable, script, str(r), "2", *argv], cwd=REPO) for r in range(2)]
+    deadline = time.monotonic() + watchdog_s + 30
     try:
-        codes = [p.wait(timeout=500) for p in procs]
+        codes = [p.poll() for p in procs]
+        while None in codes and not any(codes) and time.monotonic() < deadline:
+            time.sleep(0.2)  # any(codes): a rank exited non-zero
+            codes = [p.poll() for p in procs]
     finally:
         for p in procs:
-            p.kill()
+            if p.poll() is None:
+                p.kill()
             p.wait()
-    assert codes == [0, 0]
+    assert codes == [0, 0], f"rank exit codes {codes} (None: still running, stopped)"
     return json.loads(out.read_text())
 
 

@@ -3,18 +3,30 @@
 Every rank builds the same whole model with random weights (same seed), then its shard of it; rank 0 compares
 the shard group's logits with the whole model's on a batch of three prefill spans and writes the errors.
 
-    python -m tests.engine.tp_agreement RANK SIZE INIT_METHOD SHAPE_JSON DEVICE OUT_JSON
+    python tests/engine/tp_agreement.py RANK SIZE INIT_METHOD SHAPE_JSON DEVICE OUT_JSON [WATCHDOG_S]
+
+A rank still running after WATCHDOG_S seconds prints its stacks and exits (a collective that never pairs up
+fails the test with the place it hung, instead of hanging it).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import sys
+import time
+from datetime import timedelta
 
 import torch
 
 
-def main(rank: int, size: int, init: str, shape: dict, device: str, out: str) -> None:
+def say(rank: int, start: float, what: str) -> None:
+    print(f"[tp_agreement rank {rank} +{time.monotonic() - start:.1f}s] {what}", file=sys.stderr, flush=True)
+
+
+def main(rank: int, size: int, init: str, shape: dict, device: str, out: str, watchdog_s: int = 240) -> None:
+    start = time.monotonic()
+    faulthandler.dump_traceback_later(watchdog_s, exit=True)
     from loraplane.server.engine.attention import AttentionMetadata, PrefillSpan
     from loraplane.server.engine.model_config import ModelConfig
     from loraplane.server.engine.parallel.group import destroy_group, init_group
@@ -22,11 +34,13 @@ def main(rank: int, size: int, init: str, shape: dict, device: str, out: str) ->
     from loraplane.server.engine.weights import random_model
 
     torch.set_num_threads(1)
-    tp = init_group(rank, size, init, torch.device(device))
+    tp = init_group(rank, size, init, torch.device(device), timedelta(seconds=watchdog_s))
+    say(rank, start, f"group ready on {tp.device}")
     dtype = torch.bfloat16 if tp.device.type == "cuda" else torch.float32
     cfg = ModelConfig.from_dict(shape, max_model_len=256)
     full = random_model(cfg, tp.device, dtype, seed=0)
     shard = shard_model(full, tp)
+    say(rank, start, "whole model and shard built")
     lens = (5, 40, 17)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=gen).to(tp.device)
@@ -56,12 +70,15 @@ def main(rank: int, size: int, init: str, shape: dict, device: str, out: str) ->
                 "greedy_equal": bool((got.argmax(-1) == want.argmax(-1)).all()),
                 "dtype": str(dtype),
             }
+    say(rank, start, f"compared: {errors}")
     if rank == 0:
         with open(out, "w") as f:
             json.dump(errors, f)
-    destroy_group()
+    left = destroy_group(timeout_s=20)  # no graphs here: it leaves at once
+    say(rank, start, f"left the group: {left}")
+    faulthandler.cancel_dump_traceback_later()
 
 
 if __name__ == "__main__":
     r, n, init, shape, dev, out = sys.argv[1:7]
-    main(int(r), int(n), init, json.loads(shape), dev, out)
+    main(int(r), int(n), init, json.loads(shape), dev, out, *map(int, sys.argv[7:8]))

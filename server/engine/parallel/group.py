@@ -8,7 +8,10 @@ here is issued by all ranks in the same order; that order is the whole protocol.
 from __future__ import annotations
 
 import dataclasses
+import gc
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from ..model_config import ModelConfig
+
+log = logging.getLogger("loraplane.engine.tp")
 
 # Workers block in a broadcast while the server idles; the group's timeout must outlast any idle period.
 # A dead peer is noticed by its closed connection (gloo) or by the driver's worker monitor, not by timeouts.
@@ -74,9 +79,38 @@ def init_group(rank: int, size: int, init_method: str, device: torch.device,
     return TPGroup(rank, size, device)
 
 
-def destroy_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def release_graphs(runner, wait: bool = True) -> None:
+    """Drop ``runner``'s CUDA graphs (and, with ``wait``, wait for the device). NCCL's destroy waits until
+    every graph that captured one of its collectives is gone (the graphs hold references on the
+    communicator), so a rank must do this before ``destroy_group``; the runner steps eagerly afterwards."""
+    runner.graphs = runner.base_graphs = None
+    gc.collect()
+    if wait and runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+
+
+def destroy_group(timeout_s: float = 30.0) -> bool:
+    """Leave the group (after ``release_graphs``); True once left. The wait is bounded so that a process on
+    its way out never hangs on a communicator something still holds; False then, and the group stays."""
+    if not dist.is_initialized():
+        return True
+    done, errors = threading.Event(), []
+
+    def leave() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception as error:  # noqa: BLE001 - reported below, by the caller's thread
+            errors.append(error)
+        finally:
+            done.set()
+
+    threading.Thread(target=leave, name="loraplane-tp-leave", daemon=True).start()
+    if not done.wait(timeout_s):
+        log.error("leaving the tensor-parallel group took over %.0f s; left as it is", timeout_s)
+        return False
+    if errors:
+        log.error("leaving the tensor-parallel group failed: %r", errors[0])
+    return not errors
 
 
 def check_divisible(cfg: ModelConfig, size: int) -> None:

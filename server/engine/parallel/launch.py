@@ -5,14 +5,18 @@ Startup is symmetric: every rank builds its ModelRunner (load, KV sizing, kernel
 so issues the same collectives in the same order. Then rank 0 broadcasts each step's prepared inputs and the
 workers loop on ``receive -> forward``. Workers die with the driver: each watches its parent's sentinel and
 exits when the parent is gone, however it ended (a SIGKILL included); ``close`` (also at exit) stops them.
+``kill -USR1`` on a worker prints its Python stacks to its stderr (where a group is stuck, and on which call).
 """
 
 from __future__ import annotations
 
 import atexit
+import faulthandler
+import gc
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 from datetime import timedelta
@@ -23,7 +27,7 @@ import torch
 from ..llm_engine import EngineFault
 from ..model_runner import ModelRunner, resolve_device
 from . import lora_sync, step_sync
-from .group import SERVING_TIMEOUT, TPGroup, destroy_group, init_group
+from .group import SERVING_TIMEOUT, TPGroup, destroy_group, init_group, release_graphs
 
 log = logging.getLogger("loraplane.engine.tp")
 
@@ -54,6 +58,7 @@ class TPDriver:
         self.failed: str | None = None  # why the group can no longer step
         self.closed = False
         self.sent = False  # the current forward was sent to the workers
+        self.runner: ModelRunner | None = None  # rank 0's, once built: its graphs go before the group
         threading.Thread(target=self._watch, name="loraplane-tp-watch", daemon=True).start()
 
     def _watch(self) -> None:
@@ -115,16 +120,21 @@ class TPDriver:
                 raise EngineFault(self.failed) from error
 
     def close(self) -> None:
-        """Stop the workers (a stop message, then terminate/kill after a grace period) and leave the group."""
+        """Stop the workers and leave the group: rank 0 drops its graphs, sends stop and leaves the group
+        while the workers do the same (a communicator destroy may wait for its peers), then joins them,
+        terminating (then killing) any still alive after a grace period."""
         if self.closed:
             return
         self.closed = True
+        if self.runner is not None:  # a failed group may never finish its last step: do not wait for it
+            release_graphs(self.runner, wait=self.failed is None)
         if self.failed is None:
             try:
                 with self.lock:
                     step_sync.send(self.tp, step_sync.stop_header())
             except (RuntimeError, EngineFault) as exc:  # a worker already gone: fall through to terminate
                 log.warning("tensor-parallel stop message failed: %s", exc)
+        destroy_group()
         for w in self.workers:
             w.join(_STOP_GRACE_S)
             if w.is_alive():
@@ -133,7 +143,6 @@ class TPDriver:
             if w.is_alive():
                 w.kill()
                 w.join()
-        destroy_group()
 
 
 def start_tp_runner(config) -> ModelRunner:
@@ -173,9 +182,10 @@ def start_tp_runner(config) -> ModelRunner:
         for w in workers:
             w.kill()
             w.join()
+        gc.collect()  # a half-built runner's graphs hold the communicator (see release_graphs)
         destroy_group()
         raise
-    runner.tp_driver = driver
+    runner.tp_driver, driver.runner = driver, runner
     runner.forward_logits = driver.guard(runner.forward_logits)
     runner.warm_adapter = driver.guard(runner.warm_adapter)
     if runner.lora is not None:
@@ -194,6 +204,7 @@ def _exit_with_parent() -> None:
 def worker_main(config, rank: int, size: int, init_method: str, num_threads: int) -> None:
     """Rank ``rank``: build the shard, then run every step rank 0 sends until it says stop."""
     threading.Thread(target=_exit_with_parent, name="loraplane-tp-parent", daemon=True).start()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(num_threads)
     tp = init_group(rank, size, init_method, resolve_device(config.device), STARTUP_TIMEOUT)
     runner = ModelRunner(config, tp=tp)
@@ -212,7 +223,9 @@ def worker_main(config, rank: int, size: int, init_method: str, num_threads: int
                 inp, num_chunks, table = step_sync.decode_step(header, payload)
                 lora_sync.set_step_metas(runner, header[-1], table)
                 run_step(runner, inp, num_chunks, header[-1])
-    destroy_group()
+    release_graphs(runner)
+    if not destroy_group():
+        os._exit(0)  # the group is stuck; nothing in this process is worth finishing
 
 
 def run_step(runner: ModelRunner, inp, num_chunks: int, lora_kind: int) -> torch.Tensor:

@@ -1,0 +1,163 @@
+"""Re-launch a compiled Triton kernel without Triton's per-call binding: host time per launch.
+
+``fn[grid](*args, **constexprs)`` binds and specializes every argument, builds a cache key, looks the
+kernel up and checks its globals on each call. An eager engine step makes two launches per (layer,
+module), so that Python work is most of the step's LoRA host time. ``FastLaunch`` keeps one launch's
+grid and compile-time values; its first call goes through Triton (compiling if needed) and records the
+exact arguments Triton hands to the compiled kernel's launcher. Later calls whose run-time arguments
+specialize the same way (ints alike modulo 16, at 1 and in 32-bit range; tensors of the same dtype and
+16-byte alignment: what Triton keys its specialization on) call that launcher directly on the current
+stream. Anything else, or a Triton whose launcher is not the one recorded, takes Triton's own path:
+the fast path is an optimization that can switch itself off, never a second semantics.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["FastLaunch"]
+
+_ENABLED = os.environ.get("LORAPLANE_TRITON_FAST_LAUNCH", "1") != "0"
+
+
+def _unset(hook) -> bool:
+    """A launch hook that does nothing: None (older Triton) or an empty hook chain (``.calls``)."""
+    return hook is None or (not getattr(hook, "calls", True) and callable(hook))
+
+
+def _no_hooks() -> bool:
+    """No launch hooks installed (profilers add them): the only state the fast path runs in."""
+    try:
+        from triton import knobs
+
+        return _unset(knobs.runtime.launch_enter_hook) and _unset(knobs.runtime.launch_exit_hook)
+    except (ImportError, AttributeError):
+        return True
+
+
+def _current_stream(device: int):
+    from triton.runtime.driver import driver
+
+    return driver.active.get_current_stream(device)
+
+
+def _on_gpu(args: tuple) -> bool:
+    return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
+
+
+def _signature(args: tuple) -> tuple:
+    """What Triton specializes a launch on, for the run-time arguments: tensors by dtype and 16-byte
+    alignment of their data pointer; ints by divisibility by 16, equality to 1 and 32-bit range."""
+    return tuple(
+        (a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, torch.Tensor)
+        else (type(a), a % 16 == 0, a == 1, -(1 << 31) <= a < (1 << 31))
+        for a in args
+    )
+
+
+class FastLaunch:
+    """One kernel launch shape: ``FastLaunch(fn, grid, constexprs, num_warps=.., num_stages=..)(*args)``.
+
+    ``args`` are the kernel's run-time parameters in order (tensors and ints); ``constexprs`` the rest,
+    by name. Returns nothing; raises what Triton raises (compilation errors on the first call).
+    """
+
+    __slots__ = ("fn", "grid", "constexprs", "options", "_run", "_tail", "_sig", "_device", "_tried")
+
+    def __init__(self, fn, grid: tuple[int, ...], constexprs: dict, **options) -> None:
+        self.fn, self.grid, self.constexprs, self.options = fn, grid, constexprs, options
+        self._run = None  # (launcher, function, packed metadata) once recorded
+        self._tail: tuple = ()
+        self._sig: tuple | None = None
+        self._device = -1
+        self._tried = False  # recording is tried once; if Triton's call does not fit, its path stays
+
+    def __call__(self, *args) -> None:
+        if self._run is not None and _signature(args) == self._sig and _no_hooks():
+            run, function, packed = self._run
+            g = self.grid
+            # No launch metadata and no hooks: the launcher then calls nothing back into Python.
+            run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, _current_stream(self._device),
+                function, packed, None, None, None, *args, *self._tail)  # fmt: skip
+            return
+        self._slow(args)
+
+    def _slow(self, args: tuple) -> None:
+        kernel = None
+        if not self._tried and _ENABLED and _on_gpu(args) and _no_hooks():
+            self._tried = True
+            known = _RECORDED.get(self._key(args))
+            if known is not None:  # recorded by an earlier step's launch of the same kernel and shape
+                self._run, self._tail, self._sig, self._device = known
+                self(*args)
+                return
+            try:  # compiles, launches nothing
+                kernel = self.fn.warmup(*args, grid=self.grid, **self.constexprs, **self.options)
+            except (AttributeError, TypeError):
+                kernel = None
+        slot = _launcher_slot(kernel) if kernel is not None else None
+        if slot is None:
+            self.fn[self.grid](*args, **self.constexprs, **self.options)
+            return
+        attr, run = slot
+        seen: list[tuple] = []
+
+        def spy(*call):
+            seen.append(call)
+            return run(*call)
+
+        setattr(kernel, attr, spy)
+        try:  # the one real launch of this call, through Triton
+            self.fn[self.grid](*args, **self.constexprs, **self.options)
+        finally:
+            setattr(kernel, attr, run)
+        if len(seen) == 1:
+            self._adopt(kernel, run, seen[0], args)
+
+    def _adopt(self, kernel, run, call: tuple, args: tuple) -> None:
+        """Keep the launcher when Triton called it as (grid, stream, function, metadata, launch metadata,
+        two hooks that do nothing, our args in order, then a constexpr tail); else stay on Triton's path."""
+        head, rest = call[:9], call[9:]
+        if (
+            len(head) < 9
+            or len(rest) < len(args)
+            or any(r is not a for r, a in zip(rest, args, strict=False))
+        ):
+            return
+        function, packed = getattr(kernel, "function", None), getattr(kernel, "packed_metadata", None)
+        if head[4] is not function or head[5] is not packed or not (_unset(head[7]) and _unset(head[8])):
+            return
+        self._tail = tuple(rest[len(args) :])
+        self._sig = _signature(args)
+        device = args[0].device
+        self._device = (
+            device.index if device.index is not None or not args[0].is_cuda else torch.cuda.current_device()
+        )
+        self._run = (run, function, packed)
+        _RECORDED[self._key(args)] = (self._run, self._tail, self._sig, self._device)
+
+    def _key(self, args: tuple) -> tuple:
+        """What identifies a compiled kernel and its launcher: function, compile-time values, options,
+        the run-time arguments' specialization and the device."""
+        return (self.fn, tuple(self.constexprs.items()), tuple(self.options.items()), _signature(args),
+                str(args[0].device))  # fmt: skip
+
+
+_RECORDED: dict[tuple, tuple] = {}
+"""Launchers recorded so far, shared by every ``FastLaunch`` (plans are rebuilt each step; their first
+launch then needs no second pass through Triton)."""
+
+
+def _launcher_slot(kernel):
+    """(attribute name, launcher) of a compiled kernel: Triton keeps the launcher behind a ``run``
+    property backed by ``_run`` or as a plain ``run`` attribute, depending on its version."""
+    try:
+        run = kernel.run  # loads the binary; raises OutOfResources like a launch would
+    except AttributeError:
+        return None
+    if isinstance(getattr(type(kernel), "run", None), property):
+        return ("_run", run) if getattr(kernel, "_run", None) is run else None
+    return ("run", run) if "run" in getattr(kernel, "__dict__", {}) else None
