@@ -302,3 +302,54 @@ def test_kernels_over_arena_views_equal_plain_pools(backend):
         want = lora_apply(y0.clone(), x, plain, 1, module, meta, backend="torch")
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert memory.stats()["adapter_chunks"] > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("modules", [("gate_proj", "up_proj"), ("q_proj", "k_proj", "v_proj")])
+def test_packed_projections_over_arena_views(backend, modules):
+    """One call for the modules packed in a projection (gate and up share a row width, so they share one
+    row space and one launch; q, k and v have two widths): the same as each module alone over plain pools."""
+    import os
+
+    from loraplane.kernels import LoRABatchMeta, LoRAPool, lora_apply, lora_apply_many
+    from loraplane.server.engine.model_config import ModelConfig
+    from loraplane.server.engine.unified_pool import build_unified, chunk_blocks_for
+
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("CPU Triton needs TRITON_INTERPRET=1")
+    cfg = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 64, "hidden_size": 64,
+                                 "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "max_position_embeddings": 64})  # fmt: skip
+    _, _, arena_pools = build_unified(
+        cfg, 4 * chunk_blocks_for(cfg, 4), 4, 16, torch.float32, torch.device("cpu"), True
+    )
+    gen = torch.Generator().manual_seed(1)
+    ranks = {0: 16, 1: 5, 3: 8}
+    slots = arena_pools["q_proj"].max_adapters
+    meta = LoRABatchMeta(16, "cpu", tile_m=16).build(
+        [(3, 2), (0, 4), (-1, 1), (1, 3)], [ranks.get(s, 0) for s in range(slots)]
+    )
+    plain, starts, col = {}, [], 0
+    for m in modules:
+        spec = arena_pools[m].modules[m]
+        page = LoRAPool.page_bytes_for({m: spec}, 2, 1, torch.float32)
+        plain[m] = LoRAPool(
+            {m: spec}, 2, 64 * page, page_rank=1, max_rank=16, max_adapters=slots, dtype=torch.float32
+        )
+        for slot, r in ranks.items():
+            for pool in (arena_pools[m], plain[m]):
+                pool.allocate(r, 0.25, slot=slot)
+            a, b = torch.randn(r, spec.in_dim, generator=gen), torch.randn(spec.out_dims[0], r, generator=gen)
+            for pool in (arena_pools[m], plain[m]):
+                pool.write(slot, 0, m, 0, a, b)
+        starts.append(col)
+        col += spec.out_dims[0]
+    x = torch.randn(10, 64, generator=gen)
+    y0 = torch.randn(10, col, generator=gen)
+    targets = [(arena_pools[m], m, c0) for m, c0 in zip(modules, starts, strict=True)]
+    got = lora_apply_many(y0.clone(), x, targets, 0, meta, backend=backend)
+    want = y0.clone()
+    for m, c0 in zip(modules, starts, strict=True):
+        w = plain[m].modules[m].out_dims[0]
+        lora_apply(want[:, c0 : c0 + w], x, plain[m], 0, m, meta, backend="torch")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
