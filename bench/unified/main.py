@@ -206,6 +206,7 @@ def run(argv: list[str]) -> dict:
             "running_time_mean",
             "running_peak",
             "kv_share_mean",
+            "row_fragmentation_mean",
             "steps",
             "preemptions",
             "tokens_per_step",
