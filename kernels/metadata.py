@@ -54,6 +54,7 @@ class LoRABatchMeta:
         "host_max_rank",
         "groups",
         "plans",
+        "scratch",
     )
 
     def __init__(
@@ -86,6 +87,19 @@ class LoRABatchMeta:
         self.groups: list[tuple[int, torch.Tensor]] = []
         # Launch shapes derived from this step's contents (ops.lora_apply), dropped at every build.
         self.plans: dict = {}
+        # Shrink outputs of those launches, by shape: kept for the metadata's whole life (not dropped at
+        # build) because a CUDA graph captured over this metadata keeps their addresses.
+        self.scratch: dict[tuple, torch.Tensor] = {}
+
+    def scratch_f32(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        """A float32 buffer of ``shape`` owned by this metadata, shared by every launch that asks for
+        the same shape: they run one after another in stream order, each reading it before the next
+        overwrites it."""
+        key = (tuple(shape), str(device))
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = torch.empty(shape, dtype=torch.float32, device=device)
+        return buf
 
     def _buf_len(self) -> int:
         return self.capacity * 2 + self.capacity * 3 + 1

@@ -25,8 +25,10 @@ class ApplyPlan:
     """Both launches of one ``lora_apply`` shape, worked out once per (step metadata, module, token
     count) and replayed for every layer: the per-layer host work is two direct launches.
 
-    v (the shrink output) is one buffer per plan: the layers run in stream order, so each layer's shrink
-    overwrites it only after the previous layer's expand has read it.
+    v (the shrink output) belongs to the metadata (``meta.scratch_f32``), not to the plan: plans are
+    dropped at every build, but a CUDA graph captured over the metadata keeps v's address, so v must live
+    as long as the metadata. The layers run in stream order, so each layer's shrink overwrites it only
+    after the previous layer's expand has read it.
     """
 
     __slots__ = ("cfg", "shrink", "expand", "v")
@@ -38,7 +40,7 @@ class ApplyPlan:
         self.shrink, self.v = None, None
         if not cfg.fused:
             self.shrink, shape = shrink_launch(x, a, page_table, meta, page_rank, max_rank, cfg)
-            self.v = torch.empty(shape, dtype=torch.float32, device=x.device)
+            self.v = meta.scratch_f32(shape, x.device)  # outlives the plan: graphs keep its address
         num_slices, split = (a.shape[0], 1) if cfg.fused else (self.v.shape[1], self.v.shape[0])
         self.expand = expand_launch(y, bt, page_table, out_dims, slice_starts, meta, page_rank, cfg,
                                     num_slices, split)  # fmt: skip
@@ -124,7 +126,7 @@ class PoolsPlan:
         self.shrink, shape = shrink_launch(
             x, a0, p0.page_table, meta, p0.page_rank, max_rank, cfg, len(pools)
         )
-        self.v = torch.empty(shape, dtype=torch.float32, device=x.device)
+        self.v = meta.scratch_f32(shape, x.device)  # outlives the plan: graphs keep its address
         pt_b = [_expand_table(p) for p in pools]
         self.expand = expand_launch(y, bt0, pt_b[0], widths, tuple(starts), meta, p0.page_rank, cfg,
                                     len(pools), shape[0], pools=True)  # fmt: skip

@@ -62,6 +62,27 @@ def test_every_layer_reuses_the_first_layers_launch_shapes(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_shrink_buffers_outlive_the_steps_plans(device):
+    """A graph captured over a step keeps the shrink output's address after the next build drops that
+    step's plans: the buffer must stay owned (by the metadata), never freed for reuse under the graph."""
+    import gc
+    import weakref
+
+    pool, slots = _pool(device, layers=1)
+    meta = LoRABatchMeta(16, device, capture=True).build([(slots[0], 3), (slots[1], 5)], pool.host_ranks())
+    _apply(pool, meta, 0, "kv", torch.randn(8, 48, device=device), "triton")
+    (plan,) = meta.plans.values()
+    v = weakref.ref(plan.v)
+    meta.build([(slots[2], 2)], pool.host_ranks())
+    del plan
+    gc.collect()
+    assert meta.plans == {} and v() is not None
+    x = torch.randn(2, 48, device=device)
+    got = _apply(pool, meta, 0, "kv", x, "triton")
+    torch.testing.assert_close(got, _apply(pool, meta, 0, "kv", x, "torch"), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_a_misaligned_input_falls_back_to_a_fresh_launch(device):
     pool, slots = _pool(device, layers=1)
     meta = LoRABatchMeta(8, device).build([(slots[0], 4), (slots[2], 4)], pool.host_ranks())
