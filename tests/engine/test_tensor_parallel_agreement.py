@@ -59,4 +59,7 @@ def test_gpu_bf16_8b_shape_agrees_with_tp1(tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     errors = agreement(LLAMA3_8B, "cuda", tmp_path)
-    assert errors["max_rel_norm"] < 2e-2, errors  # bf16: a different summation order, not a different model
+    # bf16 through 32 random layers: the shards sum in another order, and the rounding compounds (4.2e-2
+    # measured on two H200s; the same step's CUDA graph against eager differs by 3e-2 on one GPU). A wrong
+    # shard or a missing all-reduce gives an error of order 1 and other greedy tokens.
+    assert errors["max_rel_norm"] < 8e-2 and errors["greedy_equal"], errors

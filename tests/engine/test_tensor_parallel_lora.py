@@ -112,7 +112,8 @@ def test_evictions_on_rank_zero_keep_greedy_tokens(setup):
 @pytest.mark.gpu
 def test_gpu_nccl_mixed_adapters_greedy_identical(make_hf_model, tmp_path):
     """2 GPUs, NCCL, decode graphs with the LoRA launches and the all-reduces: a mixed batch of adapters, with
-    a pool of four adapters (evictions and reloads broadcast to the worker), gives one GPU's greedy tokens."""
+    pools too small for all of them (evictions and reloads broadcast to the worker), gives one GPU's greedy
+    tokens."""
     from tests.engine.tp_watch import stacks_after
 
     if torch.cuda.device_count() < 2:
@@ -125,7 +126,7 @@ def test_gpu_nccl_mixed_adapters_greedy_identical(make_hf_model, tmp_path):
 
     def engine(tp: int) -> LLMEngine:
         cfg = EngineConfig(model=str(base), device="cuda", dtype="float32", block_size=16, num_kv_blocks=128,
-                           max_model_len=128, max_num_seqs=4, max_loras=4, tensor_parallel_size=tp)  # fmt: skip
+                           max_model_len=128, max_num_seqs=2, max_loras=2, tensor_parallel_size=tp)  # fmt: skip
         e = LLMEngine(cfg)
         for name, folder in folders.items():
             e.runner.lora.register(name, "v1", folder, f"sha256:{name}", e.runner.lora.parse(folder))
@@ -139,7 +140,7 @@ def test_gpu_nccl_mixed_adapters_greedy_identical(make_hf_model, tmp_path):
         try:
             assert parallel.runner.graphs is not None and parallel.runner.base_graphs is not None
             assert run(parallel, requests) == want
-            assert parallel.runner.lora.tier_stats()["gpu"]["entries"] <= 4
+            assert parallel.runner.lora.tier_stats()["gpu"]["entries"] < len(ADAPTER_SPECS)  # it evicted
         finally:
             parallel.runner.tp_driver.close()
         assert not torch.distributed.is_initialized()  # the group was left (its graphs went first)
