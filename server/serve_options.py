@@ -41,6 +41,7 @@ class ServeOptions:
     host_adapter_bytes: int | None = None
     trusted_keys_dir: str | None = None
     tensor_parallel_size: int | None = None  # processes the base is split over, one GPU each (None: 1)
+    memory_mode: str | None = None  # EngineConfig.memory_mode: "split" or "unified" (None: its default)
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -67,6 +68,8 @@ class ServeOptions:
         tp = self.tensor_parallel_size
         if tp is not None and (not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0):
             raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
+        if self.memory_mode not in (None, "split", "unified"):
+            raise ValueError(f"memory_mode: must be 'split' or 'unified', got {self.memory_mode!r}")
 
     def _check_model(self) -> None:
         if is_s3_uri(self.model):
@@ -180,6 +183,12 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
         "--tensor-parallel-size", type=int, help="split the base over N GPUs of the pod (default 1)"
     )
     pod.add_argument(
+        "--memory-mode",
+        choices=("split", "unified"),
+        help="split: KV cache and adapter pools have fixed sizes (default); unified: they share one GPU budget "
+        "and the share follows the load",
+    )
+    pod.add_argument(
         "--kv-cache-fraction", type=float, help="fraction of free GPU memory for weights + KV (0, 1]"
     )
     pod.add_argument(
@@ -209,6 +218,7 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
             "host_adapter_bytes",
             "trusted_keys_dir",
             "tensor_parallel_size",
+            "memory_mode",
         )
     }
     return ServeOptions(

@@ -37,7 +37,8 @@ from loraplane.server.engine.weights import random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
 from shapes import LLAMA3_8B  # noqa: E402
-from shapes import TINY_LLAMA as TINY
+from shapes import TINY_LLAMA as TINY  # noqa: E402
+from synth import adapter_weights  # noqa: E402
 
 CTX, B = 512, 64
 QV = ("q_proj", "v_proj")
@@ -73,16 +74,7 @@ def sync(device: torch.device) -> None:
 
 
 def synth_weights(cfg: ModelConfig, rank: int, modules, dtype, seed: int, pin: bool) -> AdapterWeights:
-    gen = torch.Generator().manual_seed(seed)
-    w = AdapterWeights(a={}, b={})
-    for m in modules:
-        fan_in, fan_out = module_shapes(cfg)[m]
-        w.a[m] = (torch.randn(cfg.num_layers, rank, fan_in, generator=gen) * fan_in**-0.5).to(
-            dtype
-        )  # [L, r, in]
-        w.b[m] = (torch.randn(cfg.num_layers, fan_out, rank, generator=gen) * 0.01).to(dtype)  # [L, out, r]
-        w.ranks[m] = rank
-    return w.pin() if pin else w
+    return adapter_weights(cfg, rank, modules, dtype, seed, pin)
 
 
 def write_peft_folder(folder: Path, w: AdapterWeights) -> Path:

@@ -35,6 +35,7 @@ from loraplane.server.engine.weights import random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
 from shapes import LLAMA3_8B  # noqa: E402
+from synth import adapter_weights  # noqa: E402
 
 SMALL_LLAMA = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
                "num_attention_heads": 8, "num_key_value_heads": 4}  # fmt: skip
@@ -48,16 +49,7 @@ WORKLOADS = {
 
 
 def synth_weights(cfg: ModelConfig, dtype, seed: int) -> AdapterWeights:
-    gen = torch.Generator().manual_seed(seed)
-    w = AdapterWeights(a={}, b={})
-    for m in TARGET_MODULES:
-        fan_in, fan_out = module_shapes(cfg)[m]
-        w.a[m] = (torch.randn(cfg.num_layers, RANK, fan_in, generator=gen) * fan_in**-0.5).to(
-            dtype
-        )  # [L, r, in]
-        w.b[m] = (torch.randn(cfg.num_layers, fan_out, RANK, generator=gen) * 0.01).to(dtype)  # [L, out, r]
-        w.ranks[m] = RANK
-    return w
+    return adapter_weights(cfg, RANK, TARGET_MODULES, dtype, seed)
 
 
 def make_trace(spec, seed: int) -> tuple[int, list[list[tuple[list[int], SamplingParams, str]]]]:

@@ -194,3 +194,14 @@ class FakeRunner:
 @pytest.fixture
 def fake_runner_cls():
     return FakeRunner
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test (CI has two cores, shared with the test's own engine threads)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -24,12 +24,7 @@ POOL_BYTES = 512 << 10  # 64 rank-rows per module: eight r8 adapters on every mo
 SPLIT_ADAPTERS = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

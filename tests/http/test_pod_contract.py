@@ -56,6 +56,7 @@ def test_the_operators_command_line_parses(optional, tmp_path):
         ({"max_rank": 0}, "max_rank"),
         ({"gpu_adapter_bytes": -1}, "gpu_adapter_bytes"),
         ({"kv_cache_fraction": 1.5}, "kv_cache_fraction"),
+        ({"memory_mode": "shared"}, "memory_mode"),
         ({"trusted_keys_dir": "/nonexistent"}, "trusted_keys_dir"),
         ({"model": "s3://models/tiny/"}, "model"),  # s3 without a pin and a cache dir
         ({"model": "s3://Bad_Bucket/x/", "model_sha256": "ab" * 32, "host_cache_dir": "/tmp"}, "model"),
@@ -64,6 +65,22 @@ def test_the_operators_command_line_parses(optional, tmp_path):
 def test_bad_pod_options_name_their_field(overrides, field, tiny_chat_model_dir):
     with pytest.raises(ValueError, match=f"^{field}:"):
         serve.ServeOptions(**{"model": str(tiny_chat_model_dir), **overrides})
+
+
+def test_memory_mode_flag_reaches_the_engine(tiny_chat_model_dir):
+    """`--memory-mode unified`: KV and adapter weights share one budget (the engine reports the arena)."""
+    args = serve.build_parser().parse_args(["--model", str(tiny_chat_model_dir), "--device", "cpu", "--dtype", "float32",
+                                            "--num-kv-blocks", "64", "--memory-mode", "unified"])  # fmt: skip
+    options = serve.options_from_args(args, args.model, None)
+    assert options.memory_mode == "unified"
+    engine = serve.build_engine(options, None)
+    try:
+        stats = engine.engine.stats()
+        assert stats.unified_memory is not None and stats.unified_memory
+    finally:
+        engine.close()
+    default = serve.build_parser().parse_args(["--model", str(tiny_chat_model_dir)])
+    assert serve.options_from_args(default, default.model, None).memory_mode is None
 
 
 @pytest.fixture(scope="module")
