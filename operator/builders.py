@@ -110,6 +110,8 @@ def server_args(spec: BaseSpec, admin_token_key_: str, api_keys: bool) -> list[s
         f"--max-num-seqs={eng.max_num_seqs}",
         f"--dtype={eng.dtype}",
     ]
+    if eng.memory_mode is not None:
+        args.append(f"--memory-mode={eng.memory_mode}")
     if spec.tensor_parallel_size > 1:
         args.append(f"--tensor-parallel-size={spec.tensor_parallel_size}")
     if spec.trusted_keys_secret:

@@ -42,6 +42,7 @@ DEFAULT_MAX_RANK = 64
 MAX_RANK_LIMIT = 512
 DEFAULT_KV_FRACTION = 0.85
 DEFAULT_MAX_NUM_SEQS = 256
+MEMORY_MODES = ("split", "unified")
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_DTYPE = "bfloat16"
 DEFAULT_GPU_ADAPTER_BYTES = "4Gi"
@@ -132,6 +133,12 @@ class EngineSpec(ApiModel):
     )
     max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1, le=4096, description="Most sequences in one step.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(DEFAULT_DTYPE, description="Compute dtype.")  # fmt: skip
+    memory_mode: Literal["split", "unified"] | None = Field(
+        None,
+        description="GPU memory layout: split (a fixed adapter pool beside the KV cache) or unified (KV blocks "
+        "and adapter rows share one pool). Absent: the server's default, split. unified needs "
+        "tensorParallelSize 1.",
+    )
 
 
 class HostCache(ApiModel):
@@ -230,6 +237,11 @@ class LoRABaseSpec(ApiModel):
              " || self.resources.gpus == self.tensorParallelSize",
              "must equal tensorParallelSize (one GPU per tensor-parallel rank), be 0 (CPU) or be absent",
              lambda spec: spec.resources.gpus in (None, 0, spec.tensor_parallel_size), ".resources.gpus"),
+        Rule("!has(self.engine) || !has(self.engine.memoryMode) || self.engine.memoryMode != 'unified'"
+             " || self.tensorParallelSize == 1",
+             "unified memory needs tensorParallelSize 1 (one GPU per pod)",
+             lambda spec: spec.engine.memory_mode != "unified" or spec.tensor_parallel_size == 1,
+             ".engine.memoryMode"),
     )  # fmt: skip
     model: ModelRef
     replicas: int = Field(DEFAULT_REPLICAS, ge=0, le=MAX_REPLICAS, description="Number of server pods.")

@@ -22,7 +22,13 @@ BUCKET = "models"
 
 def operator_argv(trusted_keys: bool = True, api_keys: bool = True) -> list[str]:
     spec = {"model": {"uri": "s3://models/tiny/", "sha256": "ab" * 32}, "replicas": 1}
-    spec["engine"] = {"maxRank": 32, "kvCacheFraction": 0.8, "maxNumSeqs": 64, "dtype": "bfloat16"}
+    spec["engine"] = {
+        "maxRank": 32,
+        "kvCacheFraction": 0.8,
+        "maxNumSeqs": 64,
+        "dtype": "bfloat16",
+        "memoryMode": "unified",
+    }
     if trusted_keys:
         spec["trust"] = {"publicKeysSecretRef": {"name": "signers"}}
     if api_keys:
@@ -38,6 +44,7 @@ def test_the_operators_command_line_parses(optional, tmp_path):
     assert (args.model, args.model_sha256) == ("s3://models/tiny/", "ab" * 32)
     assert (args.host, args.port, args.admin_port) == ("0.0.0.0", B.OPENAI_PORT, B.ADMIN_PORT)
     assert (args.max_rank, args.kv_cache_fraction, args.max_num_seqs, args.dtype) == (32, 0.8, 64, "bfloat16")
+    assert args.memory_mode == "unified"
     assert args.gpu_adapter_bytes > 0 and args.host_adapter_bytes > 0
     assert args.admin_token_file == f"{B.ADMIN_TOKEN_DIR}/token" and args.host_cache_dir == B.CACHE_DIR
     assert (args.trusted_keys_dir is not None) == optional and (args.api_keys_file is not None) == optional
@@ -47,6 +54,7 @@ def test_the_operators_command_line_parses(optional, tmp_path):
     args.trusted_keys_dir, args.api_keys_file = (str(tmp_path), None) if optional else (None, None)
     options = serve.options_from_args(args, args.model, args.served_model_name)
     assert options.model_name == "tiny" and options.kv_cache_fraction == 0.8
+    assert options.memory_mode == "unified"
 
 
 @pytest.mark.parametrize(

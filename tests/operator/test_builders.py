@@ -141,6 +141,15 @@ def test_tensor_parallel_pod_gets_its_gpus_args_and_shm(spec, gpus, tp_arg):
         assert shm == [] and mounted == set()
 
 
+@pytest.mark.parametrize(
+    "engine, flag", [({}, None), ({"memoryMode": "unified"}, "--memory-mode=unified"),
+                     ({"memoryMode": "split"}, "--memory-mode=split")],
+)  # fmt: skip
+def test_memory_mode_reaches_the_server_only_when_set(engine, flag):
+    args = container(deployment(base(engine=engine)))["args"]
+    assert [a for a in args if a.startswith("--memory-mode")] == ([flag] if flag else [])
+
+
 def test_cpu_tensor_parallel_requests_no_gpu():
     c = container(deployment(base(tensorParallelSize=2, resources={"gpus": 0})))
     assert not any("gpu" in key for key in c["resources"]["limits"])
@@ -188,6 +197,14 @@ def test_services_split_openai_and_admin_ports():
         (
             {"model": {"uri": "x", "sha256": SHA}, "tensorParallelSize": 2, "resources": {"gpus": 1}},
             "spec.resources.gpus",
+        ),
+        (
+            {
+                "model": {"uri": "x", "sha256": SHA},
+                "tensorParallelSize": 2,
+                "engine": {"memoryMode": "unified"},
+            },
+            "spec.engine.memoryMode",
         ),
     ],
 )

@@ -54,6 +54,8 @@ class _Delete:
 
 DELETE = _Delete()
 BASE, ADAPTER = "LoRABase", "LoRAAdapter"
+# Unified memory is one GPU's pool: with two tensor-parallel ranks the spec is refused (a CEL rule on spec).
+UNIFIED_ON_TWO_RANKS = {**example(BASE)["spec"], "tensorParallelSize": 2, "engine": {"memoryMode": "unified"}}
 INVALID = [
     # (kind, where, value, the field both must name)
     (BASE, "spec.model", DELETE, "spec.model"),
@@ -74,6 +76,8 @@ INVALID = [
     (BASE, "spec.engine.kvCacheFraction", 0.99, "spec.engine.kvCacheFraction"),
     (BASE, "spec.engine.maxNumSeqs", 4097, "spec.engine.maxNumSeqs"),
     (BASE, "spec.engine.dtype", "int8", "spec.engine.dtype"),
+    (BASE, "spec.engine.memoryMode", "shared", "spec.engine.memoryMode"),
+    (BASE, "spec", UNIFIED_ON_TWO_RANKS, "spec.engine.memoryMode"),  # CEL, with fieldPath
     (BASE, "spec.engine.gpuAdapterBytes", "4GB", "spec.engine.gpuAdapterBytes"),
     (BASE, "spec.hostCache", {"type": "hostPath"}, "spec.hostCache.path"),  # CEL, with fieldPath
     (BASE, "spec.hostCache.type", "nfs", "spec.hostCache.type"),
@@ -116,6 +120,15 @@ def test_invalid_spec_is_refused_by_model_and_schema_naming_the_field(kind, wher
         assert errors[0][0] == "" and errors[0][1].startswith("metadata.name")
     else:
         assert errors[0][0] == field, errors
+
+
+@pytest.mark.parametrize(("mode", "ranks"), [("unified", 1), ("split", 2), (DELETE, 2), (DELETE, 1)], ids=str)
+def test_memory_mode_is_accepted_where_the_engine_runs_it(mode, ranks):
+    obj = with_(BASE, "spec.engine.memoryMode", mode)
+    obj["spec"]["tensorParallelSize"] = ranks
+    assert server_errors(BASE, obj) == []
+    engine = LoRABase.parse(obj).spec.engine
+    assert engine.memory_mode == (None if mode is DELETE else mode)
 
 
 @pytest.mark.parametrize("kind", [BASE, ADAPTER])
