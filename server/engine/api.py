@@ -66,6 +66,9 @@ class OverloadedError(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
+MEMORY_USES = ("kv", "adapters", "free")  # the unified GPU pool's bytes, by use (StepStats.gpu_memory_bytes)
+
+
 @dataclass(frozen=True, slots=True)
 class StepStats:
     """Handed to step listeners after every engine step, on the engine thread."""
@@ -77,3 +80,5 @@ class StepStats:
     kv_blocks_total: int
     adapter_bytes_gpu: int
     adapter_bytes_budget: int
+    # Unified memory only (None in split mode): the shared GPU pool's bytes by MEMORY_USES.
+    gpu_memory_bytes: dict[str, int] | None = None

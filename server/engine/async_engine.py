@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .api import AdapterError, AdapterInfo, EngineInfo, StepStats, adapter_key
+from .api import MEMORY_USES, AdapterError, AdapterInfo, EngineInfo, StepStats, adapter_key
 from .config import EngineConfig
 from .detokenizer import TokenizerLike
 from .llm_engine import LLMEngine, RequestError, RequestOutput
@@ -262,8 +262,10 @@ class AsyncEngine:
         stats = self.engine.stats()
         tokens, seqs, adapters = lora.last_step if lora is not None else (0, stats.num_running, 0)
         gpu = lora.tier_stats()["gpu"] if lora is not None else {"bytes": 0, "capacity": 0}
+        unified = stats.unified_memory
+        memory = None if unified is None else {use: int(unified[f"bytes_{use}"]) for use in MEMORY_USES}
         step = StepStats(tokens, seqs, adapters, stats.num_kv_blocks - stats.num_free_kv_blocks,
-                         stats.num_kv_blocks, gpu["bytes"], gpu["capacity"])  # fmt: skip
+                         stats.num_kv_blocks, gpu["bytes"], gpu["capacity"], memory)  # fmt: skip
         for fn in self._step_listeners:
             try:
                 fn(step)

@@ -88,6 +88,9 @@ class Metrics:
         self.kv_total = Gauge(p + "kv_blocks_total", "KV cache blocks", registry=r)
         self.pool_used = Gauge(p + "adapter_pool_bytes_used", "GPU adapter pool bytes in use", registry=r)
         self.pool_total = Gauge(p + "adapter_pool_bytes_budget", "GPU adapter pool bytes", registry=r)
+        # Unified memory only: no samples in split mode, where the two pools above are fixed.
+        self.gpu_memory = Gauge(p + "gpu_memory_bytes", "Unified GPU memory pool bytes, by use (kv, adapters, "
+                                "free)", ["use"], registry=r)  # fmt: skip
 
     def on_step(self, stats: StepStats) -> None:
         """An engine step listener (runs on the engine thread; prometheus_client is thread-safe)."""
@@ -96,6 +99,8 @@ class Metrics:
         self.kv_total.set(stats.kv_blocks_total)
         self.pool_used.set(stats.adapter_bytes_gpu)
         self.pool_total.set(stats.adapter_bytes_budget)
+        for use, size in (stats.gpu_memory_bytes or {}).items():
+            self.gpu_memory.labels(use).set(size)
 
     def watch_engine(self, engine, host_cache=None) -> None:
         """Gauges read at scrape time: adapters and bytes per tier, host cache use and evictions."""

@@ -8,7 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplane.server.http.metrics import Metrics
 from tests.http.adapter_fixtures import ADMIN_HEADERS, adapter_world
-from tests.http.conftest import MODEL_NAME
+from tests.http.conftest import MAX_MODEL_LEN, MODEL_NAME
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +73,8 @@ def test_metrics_after_known_traffic(world):
         assert value(after, "loraplane_adapter_phase_seconds_count", phase=phase) >= 2, phase
     assert sum(value(after, "loraplane_adapters", tier=t) for t in ("gpu", "host", "disk")) >= 2
     assert value(after, "loraplane_host_cache_bytes") > 0
+    # Split memory: the unified pool's gauge has no samples.
+    assert not any(name == "loraplane_gpu_memory_bytes" for name, _ in after)
 
 
 def test_verification_failures_are_counted_by_reason(world):
@@ -82,3 +84,33 @@ def test_verification_failures_are_counted_by_reason(world):
     key = ("loraplane_adapter_verification_failures_total", (("reason", "UnknownKey"),))
     assert after.get(key, 0) - before.get(key, 0) == 1
     assert not any("key-" in str(k) or "Bearer" in str(k) for k in after)
+
+
+@pytest.fixture(scope="module")
+def unified_engine(tiny_chat_model_dir):
+    from loraplane.server.engine.async_engine import AsyncEngine
+    from loraplane.server.engine.config import EngineConfig
+    from loraplane.server.engine.llm_engine import LLMEngine
+    from loraplane.server.serve import load_tokenizer
+
+    config = EngineConfig(model=str(tiny_chat_model_dir), device="cpu", dtype="float32",
+                          max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, memory_mode="unified")  # fmt: skip
+    engine = AsyncEngine(LLMEngine(config, tokenizer=load_tokenizer(str(tiny_chat_model_dir))))
+    yield engine
+    engine.close()
+
+
+def test_unified_memory_bytes_by_use(tmp_path_factory, unified_engine, tiny_chat_model_dir):
+    with adapter_world(tmp_path_factory.mktemp("unified"), unified_engine, tiny_chat_model_dir,
+                       metrics=Metrics()) as world:  # fmt: skip
+        assert world.put("chat", world.published["chat-v1"]).status_code == 200
+        body = {"model": "chat", "prompt": "hi", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        assert httpx.post(f"{world.public.url}/v1/completions", json=body).status_code == 200
+        after = scrape(world)
+    memory = {
+        use: after.get(("loraplane_gpu_memory_bytes", (("use", use),))) for use in ("kv", "adapters", "free")
+    }
+    assert None not in memory.values(), memory  # every use has a sample
+    assert memory["adapters"] > 0 and memory["kv"] > 0  # the adapter's rows and the request's KV were held
+    pool = unified_engine.engine.stats().unified_memory  # the three uses always add up to the whole pool
+    assert sum(memory.values()) == pool["bytes_kv"] + pool["bytes_adapters"] + pool["bytes_free"] > 0
