@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from loraplane.server.engine.lora_weights import AdapterWeights, module_shapes
-from loraplane.server.engine.model_config import ModelConfig
+from loraplane.engine.lora.weights import AdapterWeights, module_shapes
+from loraplane.engine.model.model_config import ModelConfig
 
 
 def adapter_weights(cfg: ModelConfig, rank: int, modules, dtype: torch.dtype, seed: int,

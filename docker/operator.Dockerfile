@@ -9,10 +9,7 @@ RUN python -m venv /opt/loraplane
 WORKDIR /src
 # Metadata first, so the dependency layer is reused while only the sources change.
 COPY pyproject.toml README.md ./
-COPY loraplane/ loraplane/
-COPY kernels/ kernels/
-COPY server/ server/
-COPY operator/ operator/
+COPY src/ src/
 RUN /opt/loraplane/bin/pip install --upgrade pip \
  && /opt/loraplane/bin/pip install '.[operator]'
 

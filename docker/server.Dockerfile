@@ -13,10 +13,7 @@ RUN apt-get update \
 RUN python3 -m venv /opt/loraplane
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY loraplane/ loraplane/
-COPY kernels/ kernels/
-COPY server/ server/
-COPY operator/ operator/
+COPY src/ src/
 RUN /opt/loraplane/bin/pip install --upgrade pip \
  && /opt/loraplane/bin/pip install '.[server]'
 
@@ -48,6 +45,6 @@ ENV PATH=/opt/loraplane/bin:$PATH \
 VOLUME ["/var/cache/loraplane", "/tmp"]
 USER 10001:10001
 EXPOSE 8000
-# The operator's server Deployment passes `serve <flags>` as args (operator/builders.py server_args).
+# The operator's server Deployment passes `serve <flags>` as args (src/loraplane/operator/builders.py server_args).
 ENTRYPOINT ["loraplane"]
 CMD ["serve"]

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from e2e.stack import Stack, build_stack
-from loraplane.server.artifacts.base_hash import compute_base_hash
+from loraplane.artifacts.base_hash import compute_base_hash
 from tests.conftest import pytest_collection_modifyitems  # noqa: F401  (the same tier rules as tests/)
 from tests.controlplane.cluster import ControlPlane
 from tests.controlplane.fixtures import create_namespace

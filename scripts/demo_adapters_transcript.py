@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loraplane.server.engine.demo_model import ensure_demo_model
+    from loraplane.engine.model.demo_model import ensure_demo_model
 
     t0 = time.perf_counter()
     base_dir = str(ensure_demo_model(args.base))

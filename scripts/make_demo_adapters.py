@@ -222,7 +222,7 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from loraplane.server.engine.demo_model import ensure_demo_model
+    from loraplane.engine.model.demo_model import ensure_demo_model
 
     base_dir = str(ensure_demo_model(args.base))
     tokenizer = AutoTokenizer.from_pretrained(base_dir)

@@ -20,10 +20,10 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplane.server.artifacts.manifest import Manifest
-from loraplane.server.artifacts.pack import pack_folder, push_folder, sign_folder
-from loraplane.server.artifacts.peft import expected_shapes
-from loraplane.server.artifacts.signing import generate_keypair, key_id
+from loraplane.artifacts.manifest import Manifest
+from loraplane.artifacts.pack import pack_folder, push_folder, sign_folder
+from loraplane.artifacts.peft import expected_shapes
+from loraplane.artifacts.signing import generate_keypair, key_id
 
 # A llama-shaped base small enough for CPU tests (the engine's tiny test model uses the same fields).
 TINY_BASE_CONFIG = {

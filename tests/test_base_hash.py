@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from loraplane.server.artifacts.base_hash import BaseHashError, compute_base_hash
+from loraplane.artifacts.base_hash import BaseHashError, compute_base_hash
 
 
 def _tensors(seed=0):

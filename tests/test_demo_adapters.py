@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.manifest import MANIFEST_FILE, Manifest
-from loraplane.server.artifacts.signing import load_trusted_keys
-from loraplane.server.artifacts.verify import Policy, verify_folder
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.manifest import MANIFEST_FILE, Manifest
+from loraplane.artifacts.signing import load_trusted_keys
+from loraplane.artifacts.verify import Policy, verify_folder
 
 DEMO = Path(__file__).resolve().parent.parent / "demo"
 NAMES = sorted(p.name for p in (DEMO / "adapters").iterdir() if p.is_dir())
@@ -58,7 +58,7 @@ def test_a_tampered_copy_is_refused(tmp_path, trusted):
 
 @pytest.fixture(scope="module")
 def demo_dir():
-    from loraplane.server.engine.demo_model import ensure_demo_model
+    from loraplane.engine.model.demo_model import ensure_demo_model
 
     return ensure_demo_model()
 
@@ -66,7 +66,7 @@ def demo_dir():
 @needs_demo
 @pytest.mark.slow
 def test_adapters_were_packed_for_the_base_make_demo_serves(demo_dir, trusted):
-    from loraplane.server.artifacts.base_hash import compute_base_hash
+    from loraplane.artifacts.base_hash import compute_base_hash
 
     base_hash = compute_base_hash(demo_dir)
     for name in NAMES:

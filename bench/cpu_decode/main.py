@@ -68,7 +68,7 @@ def _summary(t0: float, stamps: list[float]) -> dict:
 
 
 def run_engine(engine, prompt_ids: list[int], new_tokens: int) -> tuple[dict, list[int]]:
-    from loraplane.server.engine.sequence import SamplingParams
+    from loraplane.engine.core.sequence import SamplingParams
 
     sampling = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     t0 = time.perf_counter()
@@ -99,7 +99,7 @@ def run_hf(model, prompt_ids: list[int], new_tokens: int) -> tuple[dict, list[in
 
 def _prefill_before(q, k, v, k_cache, v_cache, meta, scale, out) -> None:
     """The engine's CPU context gather before index_select: advanced indexing, twice per layer."""
-    from loraplane.server.engine.attention import _sdpa_span
+    from loraplane.engine.model.attention import _sdpa_span
 
     H, D = k.shape[1], k.shape[2]
     k_ctx = v_ctx = None
@@ -131,7 +131,7 @@ def _rope_and_store_before(qkv, num_q, num_kv, positions, cos, sin, k_cache, v_c
 
 
 def run_engine_before(engine, prompt_ids: list[int], new_tokens: int) -> tuple[dict, list[int]]:
-    from loraplane.server.engine import attention, model
+    from loraplane.engine import attention, model
 
     current = attention._prefill, model.rope_and_store_kv
     attention._prefill, model.rope_and_store_kv = _prefill_before, _rope_and_store_before
@@ -169,9 +169,9 @@ def run(argv: list[str]) -> dict:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from loraplane.server.engine.config import EngineConfig
-    from loraplane.server.engine.demo_model import ensure_demo_model
-    from loraplane.server.engine.llm_engine import LLMEngine
+    from loraplane.engine.core.config import EngineConfig
+    from loraplane.engine.core.llm_engine import LLMEngine
+    from loraplane.engine.model.demo_model import ensure_demo_model
 
     model_dir = str(ensure_demo_model(args.model_dir))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -28,13 +28,13 @@ from pathlib import Path
 
 import torch
 
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.engine.model_config import ModelConfig
-from loraplane.server.engine.model_runner import ModelRunner
-from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk
-from loraplane.server.engine.sequence import SamplingParams, Sequence
-from loraplane.server.engine.weights import hf_state_dict, random_model
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk
+from loraplane.engine.core.sequence import SamplingParams, Sequence
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.engine.model.runner import ModelRunner
+from loraplane.engine.model.weights import hf_state_dict, random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/engine: floor.py, profile.py

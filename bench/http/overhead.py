@@ -70,10 +70,10 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from loraplane.server.engine.async_engine import AsyncEngine
-    from loraplane.server.engine.config import EngineConfig
-    from loraplane.server.engine.sequence import SamplingParams
-    from loraplane.server.serve import load_tokenizer
+    from loraplane.engine.core.async_engine import AsyncEngine
+    from loraplane.engine.core.config import EngineConfig
+    from loraplane.engine.core.sequence import SamplingParams
+    from loraplane.serve.main import load_tokenizer
     from tests.adapter_factory import make_peft_folder
     from tests.engine.conftest import build_tiny_hf_model
     from tests.http.conftest import build_chat_tokenizer

@@ -1,7 +1,7 @@
-"""Before/after: a baseline copy of kernels/ against this tree's, the same cases in one process.
+"""Before/after: a baseline copy of src/loraplane/kernels/ against this tree's, the same cases in one process.
 
 ``python bench/run.py kernels --name kernels-ab --ab BASELINE [--warm-only] [--shapes ...]``. BASELINE is
-a folder holding a whole kernels/ package (or a git ref, copied with ``git show``). Every case shares
+a folder holding a whole src/loraplane/kernels/ package (or a git ref, copied with ``git show``). Every case shares
 one pool, metadata and input sets between the two; each side is timed ROUNDS times, alternating
 (CUDA-graph replay, median of ``do_bench``, L2 flushed, 4 rotating input sets), and reports the median
 of its rounds and the spread of its rounds (noise). Both outputs are compared element for element.
@@ -52,12 +52,15 @@ COLUMNS = [
 
 
 def load_baseline(where: str):
-    """Import a kernels/ package from a folder (or a git ref) under the name ``kernels_baseline``."""
+    """Import a src/loraplane/kernels/ package from a folder (or a git ref) under the name ``kernels_baseline``."""
     folder = Path(where)
     if not (folder / "triton_ops.py").is_file():
         folder = Path(tempfile.mkdtemp(prefix="kernels-baseline-"))
         files = subprocess.run(
-            ["git", "ls-tree", "--name-only", where, "kernels/"], check=True, capture_output=True, text=True
+            ["git", "ls-tree", "--name-only", where, "src/loraplane/kernels/"],
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout.split()
         for f in files:
             blob = subprocess.run(["git", "show", f"{where}:{f}"], check=True, capture_output=True).stdout
@@ -118,7 +121,7 @@ def _row(times, side):
 
 def run(argv: list[str], main: dict) -> dict:
     p = argparse.ArgumentParser(prog="bench/run.py kernels --ab")
-    p.add_argument("--ab", required=True, help="baseline kernels/ folder or git ref")
+    p.add_argument("--ab", required=True, help="baseline src/loraplane/kernels/ folder or git ref")
     p.add_argument("--warm-only", action="store_true")
     p.add_argument("--shapes", default=",".join(main["SHAPES"]))
     p.add_argument("--no-ragged", action="store_true")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On any CUDA machine (repo root; loraplane need not be installed): GPU tests of kernels/, then the benchmark.
+# On any CUDA machine (repo root; loraplane need not be installed): GPU tests of src/loraplane/kernels/, then the benchmark.
 #   bash bench/kernels/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
 set -o pipefail
 source scripts/device_env.sh

@@ -1,7 +1,7 @@
 """Multi-LoRA shrink+expand on Llama-3-8B projection shapes (bf16, CUDA graphs, L2 flushed).
 
 Run through the runner: ``python bench/run.py kernels --out DIR [--quick] [--sweep] [--plot FILE]``;
-``--ab BASELINE`` times a baseline kernels/ tree against this one instead (ab.py).
+``--ab BASELINE`` times a baseline src/loraplane/kernels/ tree against this one instead (ab.py).
 Every case: a pool of 128 resident adapters, n of them active; the timed unit is one ``lora_apply``
 (shrink + expand) replayed from a CUDA graph, median of ``triton.testing.do_bench``, rotating among 4
 input sets. The floor is (x read once + each active adapter's A and B once + y read and written once)
@@ -226,7 +226,9 @@ def cases(quick: bool):
 
 
 def run(argv: list[str]) -> dict:
-    if any(a == "--ab" or a.startswith("--ab=") for a in argv):  # before/after of two kernels/ trees: ab.py
+    if any(
+        a == "--ab" or a.startswith("--ab=") for a in argv
+    ):  # before/after of two src/loraplane/kernels/ trees: ab.py
         return runpy.run_path(str(Path(__file__).with_name("ab.py")))["run"](argv, globals())
     p = argparse.ArgumentParser(prog="bench/run.py kernels")
     p.add_argument("--quick", action="store_true", help="3 decode + 1 prefill case per shape and rank")

@@ -26,14 +26,14 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.engine.lora_weights import TARGET_MODULES, AdapterWeights, module_shapes
-from loraplane.server.engine.model_config import ModelConfig
-from loraplane.server.engine.model_runner import ModelRunner
-from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk
-from loraplane.server.engine.sequence import SamplingParams, Sequence
-from loraplane.server.engine.weights import random_model
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk
+from loraplane.engine.core.sequence import SamplingParams, Sequence
+from loraplane.engine.lora.weights import TARGET_MODULES, AdapterWeights, module_shapes
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.engine.model.runner import ModelRunner
+from loraplane.engine.model.weights import random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
 from shapes import LLAMA3_8B  # noqa: E402

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # On the H200 (repo root, loraplane not installed): the one-layer before/after bench against a baseline
-# kernels/ folder, the engine's decode and TTFT bench, then the GPU tests of the kernels' launch plans and
+# src/loraplane/kernels/ folder, the engine's decode and TTFT bench, then the GPU tests of the kernels' launch plans and
 # pooled launches and the engine's multi-LoRA GPU tests (each under its own time limit).
 #   BASELINE=path/to/baseline/kernels OUT=DIR bash bench/lora_layer/device_run.sh
 set -o pipefail
 source scripts/device_env.sh
-R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"; B="${BASELINE:?BASELINE=baseline kernels/ folder}"
+R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"; B="${BASELINE:?BASELINE=baseline src/loraplane/kernels/ folder}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader

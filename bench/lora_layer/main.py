@@ -5,7 +5,7 @@
 Layout as in the engine: one single-slice pool per PEFT module (q, k, v, o, gate, up, down; Llama-3-8B
 shapes, bf16, rank-1 pages), one slot numbering, one batch metadata per step. Each side runs a layer as
 the engine's ``LoRALinear`` does: this tree with ``lora_apply_many`` for q,k,v and gate,up and
-``lora_apply`` for o and down; the baseline (a kernels/ folder, e.g. the main branch's) with one
+``lora_apply`` for o and down; the baseline (a src/loraplane/kernels/ folder, e.g. the main branch's) with one
 ``lora_apply`` per module.
 
 - host: eager, ``--layers`` layers per timed pass, the Python time per layer until every launch is
@@ -178,7 +178,7 @@ def _graph(pools, ranks, old_ops, layers: int, T: int, n: int, weights) -> dict:
 
 def run(argv: list[str]) -> dict:
     p = argparse.ArgumentParser(prog="bench lora_layer")
-    p.add_argument("--baseline", default="kernels", help="kernels/ folder of the 'before' side")
+    p.add_argument("--baseline", default="kernels", help="src/loraplane/kernels/ folder of the 'before' side")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--sections", default="host,graph", help="comma-separated: host, graph")
     args = p.parse_args(argv)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import random
 import time
 
-from loraplane.server.engine.block_manager import BlockManager
-from loraplane.server.engine.scheduler import Scheduler
-from loraplane.server.engine.sequence import SamplingParams, Sequence
+from loraplane.engine.core.block_manager import BlockManager
+from loraplane.engine.core.scheduler import Scheduler
+from loraplane.engine.core.sequence import SamplingParams, Sequence
 
 DECODE_STEP_MS = 6.62  # bench/results/engine.md, H200, batch 64, context 512
 

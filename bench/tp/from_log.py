@@ -25,9 +25,9 @@ sys.path.insert(0, str(HERE))
 from main import CTX, SHAPES, adapter_bytes, columns_and_notes  # noqa: E402
 from run import markdown  # noqa: E402
 
-from loraplane.server.engine.model_config import ModelConfig  # noqa: E402
-from loraplane.server.engine.parallel.group import TPGroup  # noqa: E402
-from loraplane.server.engine.parallel.layers import build_sharded_model  # noqa: E402
+from loraplane.engine.model.model_config import ModelConfig  # noqa: E402
+from loraplane.engine.parallel.group import TPGroup  # noqa: E402
+from loraplane.engine.parallel.layers import build_sharded_model  # noqa: E402
 
 _ROW = re.compile(r"\[tp rank (\d+) [^\]]*\] B=(\d+) adapters=(\d+): step ([\d.]+) ms, comm ([\d.]+) ms")
 _BW = re.compile(r"\[tp rank (\d+) [^\]]*\] copy bandwidth (\d+) GB/s")

@@ -33,16 +33,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.lora_weights import TARGET_MODULES, AdapterWeights, module_shapes
-from loraplane.server.engine.model_config import ModelConfig
-from loraplane.server.engine.model_runner import ModelRunner
-from loraplane.server.engine.parallel.group import destroy_group, init_group, release_graphs
-from loraplane.server.engine.parallel.loader import random_sharded_model
-from loraplane.server.engine.parallel.lora_sync import shard_adapter
-from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk
-from loraplane.server.engine.sequence import SamplingParams, Sequence
-from loraplane.server.engine.weights import random_model
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk
+from loraplane.engine.core.sequence import SamplingParams, Sequence
+from loraplane.engine.lora.weights import TARGET_MODULES, AdapterWeights, module_shapes
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.engine.model.runner import ModelRunner
+from loraplane.engine.model.weights import random_model
+from loraplane.engine.parallel.group import destroy_group, init_group, release_graphs
+from loraplane.engine.parallel.loader import random_sharded_model
+from loraplane.engine.parallel.lora_sync import shard_adapter
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
 from shapes import LLAMA3_8B, LLAMA3_70B, TINY_LLAMA  # noqa: E402

@@ -24,14 +24,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.engine.lora_layers import PROJECTIONS, LoRALinear
-from loraplane.server.engine.lora_weights import TARGET_MODULES, AdapterWeights, module_shapes
-from loraplane.server.engine.model_config import ModelConfig
-from loraplane.server.engine.model_runner import ModelRunner
-from loraplane.server.engine.sequence import SamplingParams
-from loraplane.server.engine.weights import random_model
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.sequence import SamplingParams
+from loraplane.engine.lora.layers import PROJECTIONS, LoRALinear
+from loraplane.engine.lora.weights import TARGET_MODULES, AdapterWeights, module_shapes
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.engine.model.runner import ModelRunner
+from loraplane.engine.model.weights import random_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: the shared shapes
 from shapes import LLAMA3_8B  # noqa: E402

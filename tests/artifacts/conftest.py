@@ -17,8 +17,8 @@ for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().pare
 from adapter_factory import make_base_folder, make_keys  # noqa: E402
 from s3_servers import SeaweedUnavailable, moto_server, seaweedfs_server  # noqa: E402
 
-from loraplane.server.artifacts.base_hash import compute_base_hash  # noqa: E402
-from loraplane.server.artifacts.s3 import RetryPolicy  # noqa: E402
+from loraplane.artifacts.base_hash import compute_base_hash  # noqa: E402
+from loraplane.artifacts.s3 import RetryPolicy  # noqa: E402
 
 
 @pytest.fixture

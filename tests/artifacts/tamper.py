@@ -7,9 +7,9 @@ import json
 import os
 from pathlib import Path
 
-from loraplane.server.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, canonical_json
-from loraplane.server.artifacts.signing import sign_bytes
-from loraplane.server.artifacts.verify import Policy, verify_folder
+from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, canonical_json
+from loraplane.artifacts.signing import sign_bytes
+from loraplane.artifacts.verify import Policy, verify_folder
 
 
 def upload_folder(s3, bucket: str, prefix: str, folder: Path) -> dict[str, bytes]:

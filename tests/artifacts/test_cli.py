@@ -9,7 +9,7 @@ import pytest
 import yaml
 from adapter_factory import make_peft_folder
 
-from loraplane.server.artifacts.cli import main
+from loraplane.artifacts.cli import main
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from adapter_factory import build_signed_adapter, push_adapter
 from s3_servers import Fault, FaultProxy
 from tamper import assert_cache_holds_only_verified
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.cache import HostCache
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.cache import HostCache
 
 W = "/adapter_model.safetensors"
 

@@ -7,10 +7,10 @@ import pickle
 
 import pytest
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.manifest import Manifest, canonical_json
-from loraplane.server.artifacts.s3 import parse_s3_uri
-from loraplane.server.artifacts.signing import (
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.manifest import Manifest, canonical_json
+from loraplane.artifacts.s3 import parse_s3_uri
+from loraplane.artifacts.signing import (
     generate_keypair,
     key_id,
     load_trusted_keys,
@@ -202,9 +202,9 @@ def test_artifacts_import_without_torch_or_engine():
 
     code = (
         "import sys\n"
-        "import loraplane.server.artifacts.cli, loraplane.server.artifacts.cache, loraplane.server.artifacts.pack\n"
+        "import loraplane.artifacts.cli, loraplane.artifacts.cache, loraplane.artifacts.pack\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in {'torch', 'triton', 'fastapi', 'numpy'}\n"
-        "             or m.startswith(('loraplane.server.engine', 'loraplane.kernels', 'loraplane.operator')))\n"
+        "             or m.startswith(('loraplane.engine', 'loraplane.kernels', 'loraplane.operator')))\n"
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/", timeout=60)

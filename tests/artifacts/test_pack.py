@@ -7,9 +7,9 @@ import json
 import pytest
 from adapter_factory import TINY_BASE_CONFIG, make_peft_folder, random_tensor_bytes, write_safetensors
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.pack import pack_folder, sign_folder
-from loraplane.server.artifacts.signing import verify_signature
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.pack import pack_folder, sign_folder
+from loraplane.artifacts.signing import verify_signature
 
 HASH = "d" * 64
 

@@ -8,9 +8,9 @@ import json
 import pytest
 from adapter_factory import TINY_BASE_CONFIG, make_peft_folder
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.manifest import Manifest
-from loraplane.server.artifacts.pack import pack_folder
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.manifest import Manifest
+from loraplane.artifacts.pack import pack_folder
 
 HASH = "d" * 64
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]

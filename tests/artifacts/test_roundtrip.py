@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from adapter_factory import build_signed_adapter, publish_adapter, push_adapter
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.cache import HostCache
-from loraplane.server.artifacts.manifest import MANIFEST_FILE, Manifest
-from loraplane.server.artifacts.verify import fetch_verified_manifest
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.cache import HostCache
+from loraplane.artifacts.manifest import MANIFEST_FILE, Manifest
+from loraplane.artifacts.verify import fetch_verified_manifest
 
 
 def test_manifest_roundtrip_and_digest(tmp_path, keys, base_dir, base_hash):

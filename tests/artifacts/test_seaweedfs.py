@@ -9,10 +9,10 @@ import pytest
 from adapter_factory import build_signed_adapter, push_adapter
 from tamper import assert_cache_holds_only_verified
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.cache import HostCache
-from loraplane.server.artifacts.s3 import make_client
-from loraplane.server.artifacts.verify import fetch_verified_manifest
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.cache import HostCache
+from loraplane.artifacts.s3 import make_client
+from loraplane.artifacts.verify import fetch_verified_manifest
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,7 @@ def test_push_verify_pull_through_the_standard_credential_chain(
         tmp_path / "a", name="demo", version="v1", keys=keys, base_dir=base_dir, rank=8
     )
     # multipart: a 5 MiB part threshold with a ~6 MiB weights file (SeaweedFS enforces the S3 rules)
-    from loraplane.server.artifacts.pack import push_folder
+    from loraplane.artifacts.pack import push_folder
 
     smollm2_shapes = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                           head_dim=64, num_hidden_layers=20)  # fmt: skip

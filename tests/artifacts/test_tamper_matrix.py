@@ -9,10 +9,10 @@ import pytest
 from adapter_factory import build_signed_adapter, make_keys
 from tamper import assert_cache_holds_only_verified, manifest_dict, resign, upload_folder
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.cache import HostCache
-from loraplane.server.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE
-from loraplane.server.artifacts.verify import fetch_verified_manifest
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.cache import HostCache
+from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE
+from loraplane.artifacts.verify import fetch_verified_manifest
 
 W, C = "adapter_model.safetensors", "adapter_config.json"
 
@@ -31,7 +31,7 @@ def _edit_manifest(ctx, edit, *, resign_with=None):
     m = manifest_dict(ctx.folder)
     edit(m)
     if resign_with is None:  # the attacker cannot sign: old signature, new bytes
-        from loraplane.server.artifacts.manifest import canonical_json
+        from loraplane.artifacts.manifest import canonical_json
 
         ctx.s3.put_object(Bucket=ctx.bucket, Key=ctx.prefix + MANIFEST_FILE, Body=canonical_json(m))
     else:

@@ -12,15 +12,15 @@ import pytest
 from adapter_factory import make_base_folder, make_peft_folder, random_tensor_bytes, write_safetensors
 from tamper import upload_folder
 
-from loraplane.server.artifacts import errors as E
-from loraplane.server.artifacts.base_hash import BaseHashError, compute_base_hash
-from loraplane.server.artifacts.cache import HostCache
-from loraplane.server.artifacts.cli import main as cli
-from loraplane.server.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, FileEntry, Manifest
-from loraplane.server.artifacts.pack import pack_folder
-from loraplane.server.artifacts.signing import parse_signature, sign_manifest
-from loraplane.server.artifacts.tensors import TensorScanner, first_non_finite
-from loraplane.server.artifacts.verify import Policy, fetch_verified_manifest, verify_folder
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.base_hash import BaseHashError, compute_base_hash
+from loraplane.artifacts.cache import HostCache
+from loraplane.artifacts.cli import main as cli
+from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, FileEntry, Manifest
+from loraplane.artifacts.pack import pack_folder
+from loraplane.artifacts.signing import parse_signature, sign_manifest
+from loraplane.artifacts.tensors import TensorScanner, first_non_finite
+from loraplane.artifacts.verify import Policy, fetch_verified_manifest, verify_folder
 
 W = "adapter_model.safetensors"
 HASH = "d" * 64

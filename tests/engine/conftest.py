@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplane.server.engine.scheduler import ScheduledBatch
+from loraplane.engine.core.scheduler import ScheduledBatch
 
 TINY_DIMS = dict(
     vocab_size=256,

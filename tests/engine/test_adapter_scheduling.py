@@ -9,12 +9,12 @@ from collections import Counter
 
 import pytest
 
-from loraplane.server.engine.api import AdapterError
-from loraplane.server.engine.block_manager import BlockManager
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.engine.scheduler import ScheduledBatch, Scheduler
-from loraplane.server.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from loraplane.engine.api import AdapterError
+from loraplane.engine.core.block_manager import BlockManager
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.scheduler import ScheduledBatch, Scheduler
+from loraplane.engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 class FakeResidency:

@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from loraplane.server.engine.attention import (  # noqa: E402
+from loraplane.engine.model.attention import (  # noqa: E402
     AttentionMetadata,
     PrefillSpan,
     paged_attention,
@@ -20,7 +20,7 @@ from loraplane.server.engine.attention import (  # noqa: E402
     paged_decode_ref,
     write_kv,
 )
-from loraplane.server.engine.fused_ops import rmsnorm, rope_and_store_kv, rope_ref, silu_mul  # noqa: E402
+from loraplane.engine.model.fused_ops import rmsnorm, rope_and_store_kv, rope_ref, silu_mul  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -249,7 +249,7 @@ def test_gpu_varlen_prefill_and_decode_rows_match_reference(dtype, specs):
 
 def test_varlen_inputs_cover_contiguous_spans_only():
     """The varlen path needs the spans' rows as one run in order; otherwise each span runs on its own."""
-    from loraplane.server.engine.attention import _varlen_inputs
+    from loraplane.engine.model.attention import _varlen_inputs
 
     meta = AttentionMetadata(slot_mapping=torch.zeros(9, dtype=torch.int64),
                              prefill=[PrefillSpan(2, 3, 3, -1), PrefillSpan(5, 4, 10, 0)])  # fmt: skip
@@ -262,7 +262,7 @@ def test_varlen_inputs_cover_contiguous_spans_only():
 
 
 def test_decode_split_policy_follows_the_table_and_rejects_bad_entries():
-    from loraplane.server.engine import attention
+    from loraplane.engine import attention
 
     saved, launch = attention.DECODE_SPLITS, dict(attention.DECODE_LAUNCH)
     try:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraplane.server.engine.block_manager import BlockManager, NoFreeBlocksError
-from loraplane.server.engine.sequence import Sequence
+from loraplane.engine.core.block_manager import BlockManager, NoFreeBlocksError
+from loraplane.engine.core.sequence import Sequence
 
 
 def seq_of(n: int) -> Sequence:

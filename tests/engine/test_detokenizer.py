@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplane.server.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from loraplane.engine.model.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 TEXT = "漢字 🙃 ok, héllo 世界 🙂 naïve"
 

@@ -14,9 +14,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from loraplane.server.engine.config import EngineConfig  # noqa: E402
-from loraplane.server.engine.llm_engine import LLMEngine  # noqa: E402
-from loraplane.server.engine.sequence import SamplingParams  # noqa: E402
+from loraplane.engine.core.config import EngineConfig  # noqa: E402
+from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
+from loraplane.engine.core.sequence import SamplingParams  # noqa: E402
 
 STEPS = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
@@ -129,7 +129,7 @@ def test_seeded_sampling_survives_preemption(model_and_reference):
 
 async def test_async_stream_text_and_stop_string(model_and_reference, byte_bpe_tokenizer):
     """The whole path: AsyncEngine thread, real runner, incremental detokenizer, stop string."""
-    from loraplane.server.engine.async_engine import AsyncEngine
+    from loraplane.engine.core.async_engine import AsyncEngine
 
     model, prompts, refs = model_and_reference
     tok = byte_bpe_tokenizer

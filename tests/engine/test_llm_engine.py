@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.engine.sequence import SamplingParams
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.sequence import SamplingParams
 
 
 def make_engine(fake_runner_cls, tokenizer=None, max_num_seqs=8, max_num_batched_tokens=64, **runner_kwargs):

@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from loraplane.server.engine.api import AdapterError, StepStats  # noqa: E402
-from loraplane.server.engine.async_engine import AsyncEngine  # noqa: E402
-from loraplane.server.engine.config import EngineConfig  # noqa: E402
-from loraplane.server.engine.llm_engine import LLMEngine  # noqa: E402
-from loraplane.server.engine.sequence import SamplingParams  # noqa: E402
+from loraplane.engine.api import AdapterError, StepStats  # noqa: E402
+from loraplane.engine.core.async_engine import AsyncEngine  # noqa: E402
+from loraplane.engine.core.config import EngineConfig  # noqa: E402
+from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
+from loraplane.engine.core.sequence import SamplingParams  # noqa: E402
 from tests.engine.peft_adapters import save_peft_adapter  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

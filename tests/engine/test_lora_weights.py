@@ -12,9 +12,9 @@ torch = pytest.importorskip("torch")
 
 from safetensors.torch import save_file  # noqa: E402
 
-from loraplane.server.engine.api import AdapterError  # noqa: E402
-from loraplane.server.engine.lora_weights import load_adapter_weights, module_scale  # noqa: E402
-from loraplane.server.engine.model_config import ModelConfig  # noqa: E402
+from loraplane.engine.api import AdapterError  # noqa: E402
+from loraplane.engine.lora.weights import load_adapter_weights, module_scale  # noqa: E402
+from loraplane.engine.model.model_config import ModelConfig  # noqa: E402
 
 H, F, Q, KV, L = 64, 128, 64, 32, 2
 SHAPES = {"q_proj": (H, Q), "k_proj": (H, KV), "v_proj": (H, KV), "o_proj": (Q, H),

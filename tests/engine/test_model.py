@@ -11,11 +11,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from loraplane.server.engine.config import EngineConfig  # noqa: E402
-from loraplane.server.engine.model_config import ModelConfig, ModelConfigError  # noqa: E402
-from loraplane.server.engine.model_runner import ModelRunner  # noqa: E402
-from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk  # noqa: E402
-from loraplane.server.engine.sequence import Sequence  # noqa: E402
+from loraplane.engine.core.config import EngineConfig  # noqa: E402
+from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk  # noqa: E402
+from loraplane.engine.core.sequence import Sequence  # noqa: E402
+from loraplane.engine.model.model_config import ModelConfig, ModelConfigError  # noqa: E402
+from loraplane.engine.model.runner import ModelRunner  # noqa: E402
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

@@ -10,11 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from loraplane.server.engine.config import EngineConfig  # noqa: E402
-from loraplane.server.engine.llm_engine import LLMEngine  # noqa: E402
-from loraplane.server.engine.model_runner import ModelRunner  # noqa: E402
-from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk  # noqa: E402
-from loraplane.server.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from loraplane.engine.core.config import EngineConfig  # noqa: E402
+from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
+from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk  # noqa: E402
+from loraplane.engine.core.sequence import SamplingParams, Sequence  # noqa: E402
+from loraplane.engine.model.runner import ModelRunner  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
 
@@ -43,7 +43,7 @@ def test_greedy_64_tokens_equal_transformers(arch, make_hf_model):
 
 
 def test_runner_facts_and_cpu_kv_sizing(tiny_llama_dir):
-    from loraplane.server.artifacts.base_hash import compute_base_hash
+    from loraplane.artifacts.base_hash import compute_base_hash
 
     cfg = EngineConfig(model=str(tiny_llama_dir), device="cpu", block_size=8, cpu_kv_cache_bytes=1 << 20)
     runner = ModelRunner(cfg)
@@ -183,7 +183,7 @@ def test_gpu_bf16_demo_model_top1_agreement_over_256_greedy_tokens():
     the same top-1 at >= 99% of the positions. Tokens after <|im_end|> are not counted: past the answer the
     distribution is flat and any two bf16 implementations flip near-ties there."""
     pytest.importorskip("gguf")
-    from loraplane.server.engine.demo_model import DemoModelError, ensure_demo_model
+    from loraplane.engine.model.demo_model import DemoModelError, ensure_demo_model
 
     try:
         demo_dir = ensure_demo_model()

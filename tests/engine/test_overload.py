@@ -8,13 +8,13 @@ import time
 
 import pytest
 
-from loraplane.server.engine.api import OverloadedError
-from loraplane.server.engine.async_engine import AsyncEngine
-from loraplane.server.engine.block_manager import BlockManager
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.engine.scheduler import Scheduler
-from loraplane.server.engine.sequence import SamplingParams, Sequence
+from loraplane.engine.api import OverloadedError
+from loraplane.engine.core.async_engine import AsyncEngine
+from loraplane.engine.core.block_manager import BlockManager
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.scheduler import Scheduler
+from loraplane.engine.core.sequence import SamplingParams, Sequence
 
 
 class Clock:

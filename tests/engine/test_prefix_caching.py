@@ -7,10 +7,10 @@ import random
 
 import pytest
 
-from loraplane.server.engine.block_manager import BlockManager
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.engine.sequence import SamplingParams, Sequence
+from loraplane.engine.core.block_manager import BlockManager
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.sequence import SamplingParams, Sequence
 
 
 def computed(bm: BlockManager, seq: Sequence, salt: str = "") -> Sequence:

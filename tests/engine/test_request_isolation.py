@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from loraplane.server.engine.async_engine import AsyncEngine, EngineDeadError
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import MAX_ALL_FAILED_STEPS, EngineFault, LLMEngine, RequestError
-from loraplane.server.engine.sequence import SamplingParams
+from loraplane.engine.core.async_engine import AsyncEngine, EngineDeadError
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import MAX_ALL_FAILED_STEPS, EngineFault, LLMEngine, RequestError
+from loraplane.engine.core.sequence import SamplingParams
 
 
 @pytest.mark.parametrize(

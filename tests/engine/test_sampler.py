@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from loraplane.server.engine.sampler import SamplingMetadata, apply_top_k_top_p, sample  # noqa: E402
+from loraplane.engine.model.sampler import SamplingMetadata, apply_top_k_top_p, sample  # noqa: E402
 
 
 def meta(rows: int, temperature=1.0, top_k=0, top_p=1.0, seeds=None, logprobs=None) -> SamplingMetadata:

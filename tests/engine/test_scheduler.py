@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from loraplane.server.engine.block_manager import BlockManager
-from loraplane.server.engine.scheduler import ScheduledBatch, Scheduler
-from loraplane.server.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from loraplane.engine.core.block_manager import BlockManager
+from loraplane.engine.core.scheduler import ScheduledBatch, Scheduler
+from loraplane.engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 def make_scheduler(

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.sequence import SamplingParams, Sequence, SequenceStatus
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.sequence import SamplingParams, Sequence, SequenceStatus
 
 
 @pytest.mark.parametrize(
@@ -103,7 +103,7 @@ def test_scheduling_side_imports_without_torch():
 
     code = (
         "import sys\n"
-        "import loraplane.server.engine.async_engine, loraplane.server.engine.llm_engine\n"
+        "import loraplane.engine.core.async_engine, loraplane.engine.core.llm_engine\n"
         "heavy = [m for m in ('torch', 'transformers', 'tokenizers', 'numpy', 'triton') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
     )

@@ -17,15 +17,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.engine.model_config import ModelConfig
-from loraplane.server.engine.parallel.group import TPGroup, shard_config
-from loraplane.server.engine.parallel.layers import VocabShard
-from loraplane.server.engine.parallel.loader import load_sharded_model
-from loraplane.server.engine.parallel.step_sync import decode_step, encode_step, payload_size
-from loraplane.server.engine.sequence import SamplingParams
-from loraplane.server.engine.weights import load_model
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.sequence import SamplingParams
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.engine.model.weights import load_model
+from loraplane.engine.parallel.group import TPGroup, shard_config
+from loraplane.engine.parallel.layers import VocabShard
+from loraplane.engine.parallel.loader import load_sharded_model
+from loraplane.engine.parallel.step_sync import decode_step, encode_step, payload_size
 from tests.engine.tp_watch import stacks_after
 
 pytestmark = pytest.mark.timeout(300)
@@ -142,8 +142,8 @@ def test_indivisible_heads_are_refused_by_name(tiny_llama_dir):
 
 
 def test_step_inputs_survive_the_wire():
-    from loraplane.server.engine.attention import AttentionMetadata, PrefillSpan
-    from loraplane.server.engine.model_runner import StepInputs
+    from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan
+    from loraplane.engine.model.runner import StepInputs
 
     meta = AttentionMetadata(
         slot_mapping=torch.arange(5), prefill=[PrefillSpan(0, 3, 3, -1), PrefillSpan(3, 1, 6, 0)],
@@ -167,8 +167,8 @@ def test_step_inputs_survive_the_wire():
 DRIVER = """
 import sys, time, torch
 torch.set_num_threads(1)
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
 engine = LLMEngine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32", num_kv_blocks=16,
                                 max_model_len=64, enable_lora=False, tensor_parallel_size=2))
 print(*[w.pid for w in engine.runner.tp_driver.workers], flush=True)

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import EngineFault, LLMEngine
-from loraplane.server.engine.sequence import SamplingParams
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import EngineFault, LLMEngine
+from loraplane.engine.core.sequence import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 

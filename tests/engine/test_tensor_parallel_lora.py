@@ -14,10 +14,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from loraplane.server.engine.config import EngineConfig  # noqa: E402
-from loraplane.server.engine.llm_engine import LLMEngine  # noqa: E402
-from loraplane.server.engine.scheduler import ScheduledBatch, ScheduledChunk  # noqa: E402
-from loraplane.server.engine.sequence import SamplingParams, Sequence  # noqa: E402
+from loraplane.engine.core.config import EngineConfig  # noqa: E402
+from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
+from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk  # noqa: E402
+from loraplane.engine.core.sequence import SamplingParams, Sequence  # noqa: E402
 from tests.engine.peft_adapters import ADAPTER_SPECS, save_peft_adapter  # noqa: E402
 
 pytestmark = pytest.mark.timeout(400)

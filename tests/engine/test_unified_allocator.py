@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from loraplane.server.engine.block_manager import BlockManager, NoFreeBlocksError
-from loraplane.server.engine.sequence import Sequence
-from loraplane.server.engine.unified_memory import FREE, KV, UnifiedMemory
+from loraplane.engine.core.block_manager import BlockManager, NoFreeBlocksError
+from loraplane.engine.core.sequence import Sequence
+from loraplane.engine.memory.allocator import FREE, KV, UnifiedMemory
 
 WIDTHS = (96, 128, 192)
 

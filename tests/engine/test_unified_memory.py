@@ -12,10 +12,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from loraplane.server.engine.config import EngineConfig  # noqa: E402
-from loraplane.server.engine.llm_engine import LLMEngine  # noqa: E402
-from loraplane.server.engine.sequence import SamplingParams  # noqa: E402
-from loraplane.server.engine.unified_memory import KV  # noqa: E402
+from loraplane.engine.core.config import EngineConfig  # noqa: E402
+from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
+from loraplane.engine.core.sequence import SamplingParams  # noqa: E402
+from loraplane.engine.memory.allocator import KV  # noqa: E402
 from tests.engine.peft_adapters import save_peft_adapter  # noqa: E402
 
 NUM_ADAPTERS = 12
@@ -261,9 +261,9 @@ def test_kernels_over_arena_views_equal_plain_pools(backend):
     interpreted on the CPU) give what ordinary contiguous pools give, for mixed ranks in one batch."""
     import os
 
+    from loraplane.engine.memory.pool import build_unified, chunk_blocks_for
+    from loraplane.engine.model.model_config import ModelConfig
     from loraplane.kernels import LoRABatchMeta, LoRAPool, lora_apply
-    from loraplane.server.engine.model_config import ModelConfig
-    from loraplane.server.engine.unified_pool import build_unified, chunk_blocks_for
 
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU Triton needs TRITON_INTERPRET=1")
@@ -306,9 +306,9 @@ def test_packed_projections_over_arena_views(backend, modules):
     row space and one launch; q, k and v have two widths): the same as each module alone over plain pools."""
     import os
 
+    from loraplane.engine.memory.pool import build_unified, chunk_blocks_for
+    from loraplane.engine.model.model_config import ModelConfig
     from loraplane.kernels import LoRABatchMeta, LoRAPool, lora_apply, lora_apply_many
-    from loraplane.server.engine.model_config import ModelConfig
-    from loraplane.server.engine.unified_pool import build_unified, chunk_blocks_for
 
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("CPU Triton needs TRITON_INTERPRET=1")

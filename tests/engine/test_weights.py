@@ -10,9 +10,9 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from loraplane.server.artifacts.base_hash import compute_base_hash  # noqa: E402
-from loraplane.server.engine.model_config import ModelConfig  # noqa: E402
-from loraplane.server.engine.weights import WeightsError, load_model, safetensors_files  # noqa: E402
+from loraplane.artifacts.base_hash import compute_base_hash  # noqa: E402
+from loraplane.engine.model.model_config import ModelConfig  # noqa: E402
+from loraplane.engine.model.weights import WeightsError, load_model, safetensors_files  # noqa: E402
 
 CPU = torch.device("cpu")
 

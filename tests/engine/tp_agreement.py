@@ -27,11 +27,11 @@ def say(rank: int, start: float, what: str) -> None:
 def main(rank: int, size: int, init: str, shape: dict, device: str, out: str, watchdog_s: int = 240) -> None:
     start = time.monotonic()
     faulthandler.dump_traceback_later(watchdog_s, exit=True)
-    from loraplane.server.engine.attention import AttentionMetadata, PrefillSpan
-    from loraplane.server.engine.model_config import ModelConfig
-    from loraplane.server.engine.parallel.group import destroy_group, init_group
-    from loraplane.server.engine.parallel.loader import shard_model
-    from loraplane.server.engine.weights import random_model
+    from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan
+    from loraplane.engine.model.model_config import ModelConfig
+    from loraplane.engine.model.weights import random_model
+    from loraplane.engine.parallel.group import destroy_group, init_group
+    from loraplane.engine.parallel.loader import shard_model
 
     torch.set_num_threads(1)
     tp = init_group(rank, size, init, torch.device(device), timedelta(seconds=watchdog_s))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 
-from loraplane.server.http.adapters import AdapterManager
-from loraplane.server.http.admin import create_admin_app
-from loraplane.server.http.app import create_app
-from loraplane.server.http.sources import S3Source
+from loraplane.http.adapters import AdapterManager
+from loraplane.http.admin import create_admin_app
+from loraplane.http.app import create_app
+from loraplane.http.sources import S3Source
 from tests.adapter_factory import PublishedAdapter, make_keys, publish_adapter
 from tests.http.conftest import MODEL_NAME, ServerThread
 from tests.s3_servers import moto_server

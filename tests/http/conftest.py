@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplane.server.engine.async_engine import AsyncEngine
+from loraplane.engine.core.async_engine import AsyncEngine
 from tests.engine.conftest import TOKENIZER_CORPUS, build_tiny_hf_model
 
 MODEL_NAME = "tiny-llama"
@@ -97,9 +97,9 @@ def tiny_chat_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine(tiny_chat_model_dir):
-    from loraplane.server.engine.config import EngineConfig
-    from loraplane.server.engine.llm_engine import LLMEngine
-    from loraplane.server.serve import load_tokenizer
+    from loraplane.engine.core.config import EngineConfig
+    from loraplane.engine.core.llm_engine import LLMEngine
+    from loraplane.serve.main import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_chat_model_dir))
     config = EngineConfig(
@@ -117,7 +117,7 @@ def engine(tiny_chat_model_dir):
 @pytest.fixture(scope="session")
 def server(engine):
     """The open server (no API keys)."""
-    from loraplane.server.http.app import create_app
+    from loraplane.http.app import create_app
 
     app = create_app(engine, engine.engine.tokenizer, MODEL_NAME)
     with ServerThread(app) as running:
@@ -127,7 +127,7 @@ def server(engine):
 @pytest.fixture(scope="session")
 def keyed_server(engine):
     """The same engine behind API keys and a small body limit."""
-    from loraplane.server.http.app import create_app
+    from loraplane.http.app import create_app
 
     app = create_app(
         engine, engine.engine.tokenizer, MODEL_NAME, [API_KEY, "another-key"], max_body_bytes=64 << 10

@@ -8,11 +8,11 @@ import httpx
 import openai
 import pytest
 
-from loraplane.server.engine.async_engine import AsyncEngine
-from loraplane.server.engine.config import EngineConfig
-from loraplane.server.engine.llm_engine import LLMEngine
-from loraplane.server.http.app import create_app
-from loraplane.server.http.auth import ApiKeys
+from loraplane.engine.core.async_engine import AsyncEngine
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.http.app import create_app
+from loraplane.http.auth import ApiKeys
 from tests.engine.conftest import FakeRunner
 from tests.http.conftest import API_KEY, MODEL_NAME, ServerThread, wait_until
 

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from loraplane.server.http.metrics import Metrics
+from loraplane.http.metrics import Metrics
 from tests.http.adapter_fixtures import ADMIN_HEADERS, adapter_world
 from tests.http.conftest import MAX_MODEL_LEN, MODEL_NAME
 
@@ -88,10 +88,10 @@ def test_verification_failures_are_counted_by_reason(world):
 
 @pytest.fixture(scope="module")
 def unified_engine(tiny_chat_model_dir):
-    from loraplane.server.engine.async_engine import AsyncEngine
-    from loraplane.server.engine.config import EngineConfig
-    from loraplane.server.engine.llm_engine import LLMEngine
-    from loraplane.server.serve import load_tokenizer
+    from loraplane.engine.core.async_engine import AsyncEngine
+    from loraplane.engine.core.config import EngineConfig
+    from loraplane.engine.core.llm_engine import LLMEngine
+    from loraplane.serve.main import load_tokenizer
 
     config = EngineConfig(model=str(tiny_chat_model_dir), device="cpu", dtype="float32",
                           max_model_len=MAX_MODEL_LEN, num_kv_blocks=64, memory_mode="unified")  # fmt: skip

@@ -8,11 +8,11 @@ import threading
 import httpx
 import pytest
 
+from loraplane.artifacts.base_hash import compute_base_hash
 from loraplane.operator import builders as B
 from loraplane.operator.crd_models import BaseSpec
-from loraplane.server import serve
-from loraplane.server.artifacts.base_hash import compute_base_hash
-from loraplane.server.model_fetch import ModelFetchError, fetch_model, model_cache_dir
+from loraplane.serve import main as serve
+from loraplane.serve.model_fetch import ModelFetchError, fetch_model, model_cache_dir
 from tests.http.conftest import MODEL_NAME, ServerThread, wait_until
 from tests.s3_servers import moto_server
 
@@ -151,7 +151,7 @@ def test_an_s3_model_with_the_right_pin_is_cached_and_served(s3_env, tiny_chat_m
 def test_the_public_and_admin_servers_share_one_event_loop(engine, tmp_path):
     import uvicorn
 
-    from loraplane.server.http.app import create_app
+    from loraplane.http.app import create_app
 
     app = create_app(engine, engine.engine.tokenizer, MODEL_NAME)
     apps = [app, serve.build_admin_app(app, ADMIN_TOKEN)]

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-from loraplane.server.engine.sequence import SamplingParams
-from loraplane.server.http.auth import ApiKeys
+from loraplane.engine.core.sequence import SamplingParams
+from loraplane.http.auth import ApiKeys
 from tests.http.adapter_fixtures import ADMIN_HEADERS, adapter_world
 from tests.http.conftest import MODEL_NAME, wait_until
 
@@ -198,7 +198,7 @@ def test_a_client_leaving_mid_stream_frees_its_sequence(world, engine):
 def test_json_access_lines_carry_the_request_id_and_never_a_key(world):
     import logging
 
-    from loraplane.server.http.logs import JsonFormatter
+    from loraplane.http.logs import JsonFormatter
 
     lines: list[str] = []
 

@@ -9,9 +9,9 @@ import json
 import httpx
 import pytest
 
-from loraplane.server.engine.api import EngineInfo, OverloadedError
-from loraplane.server.engine.llm_engine import RequestOutput
-from loraplane.server.http.app import create_app
+from loraplane.engine.api import EngineInfo, OverloadedError
+from loraplane.engine.core.llm_engine import RequestOutput
+from loraplane.http.app import create_app
 from tests.http.conftest import ServerThread
 
 OVERLOADED_AT_ADD, FAILS_IN_STEP, OVERLOADED_IN_STREAM, FAILS_AFTER_A_TOKEN, REFUSED_ON_THREAD = 1, 2, 3, 4, 5

@@ -10,7 +10,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from loraplane.server import demo, serve
+from loraplane.serve import demo
+from loraplane.serve import main as serve
 from tests.adapter_factory import build_signed_adapter, make_keys, make_peft_folder
 from tests.http.conftest import API_KEY, ServerThread
 
@@ -47,7 +48,7 @@ def test_serve_builds_from_options_with_a_keys_file(tiny_chat_model_dir, tmp_pat
 
 
 def test_serve_refuses_weights_other_than_the_pinned_ones(tiny_chat_model_dir):
-    from loraplane.server.artifacts.base_hash import compute_base_hash
+    from loraplane.artifacts.base_hash import compute_base_hash
 
     common = dict(model=str(tiny_chat_model_dir), device="cpu", max_model_len=64, num_kv_blocks=8)
     with pytest.raises(ValueError, match="model_sha256: the weights"):
@@ -169,8 +170,8 @@ def test_demo_serves_the_committed_signed_adapters_with_the_demo_key():
         "text",
     )
     assert {"french", "pirate"} <= set(found)
-    from loraplane.server.artifacts.signing import load_trusted_keys
-    from loraplane.server.artifacts.verify import Policy, verify_folder
+    from loraplane.artifacts.signing import load_trusted_keys
+    from loraplane.artifacts.verify import Policy, verify_folder
 
     keys = load_trusted_keys(demo.DEMO_KEYS_DIR)  # each committed adapter verifies against the committed key
     for name, folder in found.items():

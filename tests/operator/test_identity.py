@@ -3,7 +3,7 @@ version's artifact, and without a pinned digest it cannot go back to a version s
 
 from __future__ import annotations
 
-from loraplane.server.artifacts.pack import pack_folder, sign_folder
+from loraplane.artifacts.pack import pack_folder, sign_folder
 from tests.adapter_factory import make_peft_folder, push_adapter
 from tests.operator.conftest import BASE_HASH, BUCKET
 from tests.operator.harness import OperatorThread, condition

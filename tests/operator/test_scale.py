@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from loraplane.server.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, Manifest
-from loraplane.server.artifacts.signing import sign_manifest
+from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, Manifest
+from loraplane.artifacts.signing import sign_manifest
 from tests.operator.conftest import BUCKET
 from tests.operator.harness import OperatorThread, condition, fast_tunables, wait_for
 

@@ -1,1 +1,0 @@
-"""The serving side. Kept import-free: the operator imports ``loraplane.server.artifacts`` through it."""

@@ -1,0 +1,110 @@
+"""LoRA wrappers around the model's packed projections, the pools they read and the step state they share.
+
+The model files know nothing of LoRA: ``wrap_model`` swaps each packed projection for a ``LoRALinear`` that
+keeps the original as ``base_layer``. Every projection runs its base GEMM for all tokens, then, for each
+PEFT module packed in it (q, k, v in ``qkv_proj``; gate, up in ``gate_up_proj``), one ``lora_apply`` into
+that module's column range of the output (q, k, v and gate, up: one ``lora_apply_many`` for the
+projection, one launch pair on the GPU).
+
+Memory follows what each adapter has: there is one ``LoRAPool`` per PEFT module (q_proj ... down_proj),
+each with its own page table and rank-1 pages, so an adapter costs pages only in the modules it targets,
+at its own rank in each. A step's batch metadata is built once per module pool (``LoRAStepState``) and
+read by every layer; a module no token of the step uses has no metadata and costs no kernel launch.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from loraplane.engine.lora.weights import TARGET_MODULES, module_shapes
+from loraplane.engine.model.model import packed_output_sizes
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, lora_apply, lora_apply_many
+
+# Which PEFT modules each wrapped projection packs, in column order.
+PROJECTIONS = {
+    ("self_attn", "qkv_proj"): ("q_proj", "k_proj", "v_proj"),
+    ("self_attn", "o_proj"): ("o_proj",),
+    ("mlp", "gate_up_proj"): ("gate_proj", "up_proj"),
+    ("mlp", "down_proj"): ("down_proj",),
+}
+PAGE_RANK = 1  # rank-rows per page: any rank costs exactly its rows
+
+
+class LoRAStepState:
+    """What every LoRALinear reads in one step: the pools and each module's batch metadata (or None)."""
+
+    def __init__(self, pools: dict[str, LoRAPool]) -> None:
+        self.pools = pools
+        self.metas: dict[str, LoRABatchMeta | None] = dict.fromkeys(pools)
+
+
+class LoRALinear(nn.Module):
+    """y = base_layer(x); then y[:, cols(m)] += x @ A_m^T @ B_m^T per token's adapter, for each packed m."""
+
+    def __init__(self, base_layer: nn.Linear, layer: int, slices: tuple[tuple[str, int, int], ...],
+                 state: LoRAStepState) -> None:  # fmt: skip
+        super().__init__()
+        self.base_layer = base_layer
+        self.layer = layer
+        self.slices = slices  # (PEFT module, first column, end column) inside the packed output
+        self.state = state
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)  # [T, out_total]
+        metas, pools = self.state.metas, self.state.pools
+        live = [(module, c0, c1) for module, c0, c1 in self.slices if metas[module] is not None]
+        if len(live) > 1 and all(metas[m] is metas[live[0][0]] for m, _, _ in live):
+            # One shrink and one expand launch for q, k, v (gate, up): they share x and the step's metadata.
+            targets = [(pools[m], m, c0) for m, c0, _ in live]
+            return lora_apply_many(y, x, targets, self.layer, metas[live[0][0]])
+        for module, c0, c1 in live:  # metas[module] None: no token of this step has this module
+            lora_apply(y[:, c0:c1], x, pools[module], self.layer, module, metas[module])
+        return y
+
+
+def wrap_model(model: nn.Module, state: LoRAStepState) -> None:
+    """Replace every packed projection of ``model`` (a CausalLM) by a LoRALinear around it, in place."""
+    sizes = packed_output_sizes(model.config)
+    for i, layer in enumerate(model.model.layers):
+        for (parent_name, proj), members in PROJECTIONS.items():
+            parent = getattr(layer, parent_name)
+            base = getattr(parent, proj)
+            if isinstance(base, LoRALinear):
+                continue
+            widths = sizes.get(proj, (base.out_features,))
+            starts = [sum(widths[:j]) for j in range(len(widths) + 1)]
+            slices = tuple((m, starts[j], starts[j + 1]) for j, m in enumerate(members))
+            setattr(parent, proj, LoRALinear(base, i, slices, state))
+
+
+def pool_row_bytes(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes one rank-row costs in each module's pool (A row + B^T row, every layer)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return {m: cfg.num_layers * (i + o) * elem for m, (i, o) in module_shapes(cfg).items()}
+
+
+def build_pools(cfg: ModelConfig, rows: int, max_rank: int, dtype: torch.dtype,
+                device: torch.device) -> dict[str, LoRAPool]:  # fmt: skip
+    """One pool of ``rows`` rank-rows per PEFT module; up to ``rows`` adapters each (rank-1 pages)."""
+    if rows < max_rank:
+        raise ValueError(
+            f"EngineConfig: the adapter pools hold {rows} rank-rows, below max_lora_rank {max_rank}"
+        )
+    pools = {}
+    for m, (fan_in, fan_out) in module_shapes(cfg).items():
+        spec = {m: ModuleSpec(fan_in, (fan_out,))}
+        page = LoRAPool.page_bytes_for(spec, cfg.num_layers, PAGE_RANK, dtype)
+        pools[m] = LoRAPool(spec, cfg.num_layers, rows * page, page_rank=PAGE_RANK, max_rank=max_rank,
+                            max_adapters=min(rows, 4096), dtype=dtype, device=device)  # fmt: skip
+    assert tuple(pools) == TARGET_MODULES
+    return pools

@@ -1,0 +1,330 @@
+"""The engine's adapter registry: versions, aliases, tiers, and the scheduler's ``AdapterResidency``.
+
+A version is ``name@version``; its identity is the manifest digest. ``register`` puts a parsed, validated
+version in the host tier; the scheduler then ``request``s it toward the GPU (disk -> host parses on a
+worker thread; host -> GPU copies on a side stream), admits its requests once ``is_ready``, and
+``acquire``/``release``s it around each running sequence. What a running or queued request needs, and what
+is pinned, is never evicted from either tier.
+
+Threads: the registry (load, alias, pin, the read-only views) may be used from any thread under ``lock``;
+everything that touches the device (``poll``, ``prepare_step``, eviction, copies) runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
+from loraplane.engine.lora.tiers import GpuTier, HostTier
+from loraplane.engine.lora.weights import AdapterWeights, load_adapter_weights
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.kernels import LoRABatchMeta, LoRAPool
+
+
+@dataclass(slots=True)
+class _Version:
+    name: str
+    version: str
+    digest: str
+    folder: Path
+    rank: int
+    pool_bytes: int  # what it costs in the GPU pools
+    pinned: bool = False
+    state: str = "loaded"  # loaded | warm | failed
+    error: str | None = None
+    refs: int = 0  # running sequences (acquire / release)
+    in_flight: int = 0  # requests submitted and not finished (the async engine counts them)
+    unloading: bool = False  # takes no new requests; freed once nothing uses it
+    timings: dict[str, float] = field(default_factory=dict)
+    loading: Future | None = None  # a disk -> host parse on the worker thread
+    error_reason: str | None = None
+
+
+class AdapterManager:
+    def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
+                 host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
+                 graph_batch_size: int = 0, gpu_tier: GpuTier | None = None) -> None:  # fmt: skip
+        pool = next(iter(pools.values()))
+        self.model_config, self.max_rank = model_config, max_rank
+        self.dtype, self.device = pool.dtype, pool.device
+        self.lock = threading.RLock()
+        self.versions: dict[str, _Version] = {}
+        self.aliases: dict[str, str] = {}  # name -> serving version
+        self.host = HostTier(host_bytes)
+        self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
+        if hasattr(self.gpu, "reclaim"):  # unified memory: KV may evict what nothing needs, under the lock
+            self.gpu.evictable = self._gpu_evictable
+            self.gpu.memory.adapter_reclaimer = self._reclaim_for_kv
+        self.wanted: set[str] = set()  # requested toward the GPU and not there yet
+        self.step_keys: frozenset[str] = frozenset()
+        self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="loraplane-adapter-load")
+        # One metadata per step kind, shared by every module (one slot numbering across the pools).
+        self._metas = {
+            "decode": LoRABatchMeta(max_num_seqs, self.device, tile_m=16),
+            "prefill": LoRABatchMeta(max_num_batched_tokens, self.device, tile_m=64),
+        }
+        if graph_batch_size:  # fixed buffers read by captured decode graphs
+            self._metas["graph"] = LoRABatchMeta(
+                graph_batch_size, self.device, capture=True, max_rank=max_rank
+            )
+
+    # -- parsing ----------------------------------------------------------------------------------------
+    def parse(self, folder: Path) -> AdapterWeights:
+        """Read and validate a PEFT folder into host tensors (page-locked on CUDA). Any thread."""
+        weights = load_adapter_weights(folder, self.model_config, max_rank=self.max_rank, dtype=self.dtype)
+        return weights.pin() if self.device.type == "cuda" else weights
+
+    # -- registry (any thread) --------------------------------------------------------------------------
+    def register(self, name: str, version: str, folder: Path, digest: str, weights: AdapterWeights | None, *,
+                 pin: bool = False, load_s: float = 0.0) -> AdapterInfo:  # fmt: skip
+        key = adapter_key(name, version)
+        with self.lock:
+            old = self.versions.get(key)
+            if old is not None and old.digest != digest:
+                raise AdapterError(
+                    "AdapterConflict", f"{key}: already loaded with digest {old.digest}, not {digest}"
+                )
+            if old is not None:
+                old.unloading = False
+                old.pinned = old.pinned or pin
+                return self.info(key)
+            if weights is None:
+                raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
+            for m, r in weights.ranks.items():
+                if r > self.gpu.pools[m].num_pages:
+                    raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
+            v = _Version(name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin)
+            v.timings["load"] = load_s
+            self.versions[key] = v
+            self.host.put(key, weights, self._host_evictable)
+            return self.info(key)
+
+    def get(self, key: str) -> _Version:
+        v = self.versions.get(key)
+        if v is None or v.unloading:
+            raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
+        return v
+
+    def resolve(self, name: str) -> str | None:
+        with self.lock:
+            version = self.aliases.get(name)
+            return None if version is None else adapter_key(name, version)
+
+    def set_alias(self, name: str, version: str) -> None:
+        with self.lock:
+            self.get(adapter_key(name, version))
+            self.aliases[name] = version  # one assignment: a reader sees the old or the new version
+
+    def set_pinned(self, key: str, pinned: bool) -> AdapterInfo:
+        with self.lock:
+            self.get(key).pinned = pinned
+            return self.info(key)
+
+    def mark_unloading(self, name: str, version: str | None) -> list[str]:
+        """Stop taking requests for ``name@version`` (every version when None); freed by ``collect``."""
+        with self.lock:
+            keys = [k for k, v in self.versions.items() if v.name == name and not v.unloading
+                    and (version is None or v.version == version)]  # fmt: skip
+            if not keys:
+                raise AdapterError("AdapterNotFound", f"adapter {name}@{version or '*'} is not loaded")
+            for key in keys:
+                self.versions[key].unloading = True
+                if self.aliases.get(name) == self.versions[key].version:
+                    del self.aliases[name]
+            return keys
+
+    def note_request(self, key: str, delta: int) -> None:
+        """The async engine counts each request from submission to its end (queued or running)."""
+        with self.lock:
+            v = self.versions.get(key)
+            if v is not None:
+                v.in_flight += delta
+
+    def tier_of(self, key: str) -> str | None:
+        with self.lock:
+            if key not in self.versions:
+                return None
+            if self.gpu.done(key):
+                return "gpu"
+            return "host" if key in self.host.entries else "disk"
+
+    def info(self, key: str) -> AdapterInfo:
+        with self.lock:
+            v = self.versions[key]
+            return AdapterInfo(
+                name=v.name, version=v.version, digest=v.digest, state=v.state, tier=self.tier_of(key),
+                pinned=v.pinned, serving=self.aliases.get(v.name) == v.version, bytes=v.pool_bytes,
+                rank=v.rank, in_flight=v.in_flight, timings=dict(v.timings), error=v.error,
+            )  # fmt: skip
+
+    def infos(self) -> list[AdapterInfo]:
+        with self.lock:
+            return [self.info(k) for k, v in self.versions.items() if not v.unloading]
+
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes and entries per tier (disk: every registered version, whose folder stays the source)."""
+        with self.lock:
+            return {
+                "gpu": {"bytes": self.gpu.bytes, "entries": len(self.gpu.slots), "capacity": self.gpu.capacity_bytes},
+                "host": {"bytes": self.host.bytes, "entries": len(self.host.entries), "capacity": self.host.limit_bytes},
+                "disk": {"bytes": 0, "entries": len(self.versions)},
+            }  # fmt: skip
+
+    # -- AdapterResidency (engine thread) ----------------------------------------------------------------
+    @property
+    def max_adapters_per_step(self) -> int:
+        return min(p.max_adapters for p in self.gpu.pools.values())
+
+    def is_ready(self, key: str) -> bool:
+        with self.lock:
+            # only a requested load moves on here: the scheduler decides which loads may take memory
+            return key in self.versions and (
+                self.gpu.done(key) or (key in self.wanted and self._advance(key))
+            )
+
+    def request(self, key: str) -> None:
+        """Start moving ``key`` toward the GPU; AdapterError when it can never get there (unknown, fully
+        unloaded, or its folder failed to load), so the requests waiting for it fail instead of waiting."""
+        with self.lock:
+            v = self.versions.get(key)
+            if v is None:
+                raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
+            if not self.gpu.done(key):
+                self.wanted.add(key)
+                self._advance(key)
+            if v.state == "failed":
+                raise AdapterError(v.error_reason or "BadAdapterFile", f"adapter {key!r}: {v.error}")
+
+    def acquire(self, key: str) -> None:
+        with self.lock:
+            v = self.versions.get(key)
+            if v is not None:
+                v.refs += 1
+
+    def release(self, key: str) -> None:
+        with self.lock:
+            v = self.versions.get(key)
+            if v is not None:
+                v.refs = max(0, v.refs - 1)
+
+    def digest(self, key: str) -> str:
+        v = self.versions.get(key)
+        if v is None:
+            raise KeyError(key)
+        return v.digest
+
+    def _reclaim_for_kv(self, num_free_chunks: int, keep: frozenset) -> None:
+        with self.lock:
+            self.gpu.reclaim(num_free_chunks, keep | self.wanted)
+
+    # -- moving weights (engine thread) ------------------------------------------------------------------
+    def _host_evictable(self, key: str) -> bool:
+        v = self.versions.get(key)
+        return v is None or not (v.pinned or v.refs or v.in_flight or key in self.wanted)
+
+    def _gpu_evictable(self, key: str) -> bool:
+        v = self.versions.get(key)
+        return v is None or not (v.pinned or v.refs or v.in_flight or key in self.step_keys)
+
+    def _advance(self, key: str) -> bool:
+        """One non-blocking move toward the GPU; True once it is usable there."""
+        v = self.versions[key]
+        if self.gpu.done(key):
+            self.wanted.discard(key)
+            return True
+        if self.gpu.holds(key) or v.state == "failed":
+            return False  # copy in flight, or it cannot be loaded again
+        weights = self.host.get(key)
+        if weights is None:
+            if v.loading is None:
+                v.loading = self._worker.submit(self.parse, v.folder)
+            if not v.loading.done():
+                return False
+            future, v.loading = v.loading, None
+            try:
+                weights = future.result()
+            except AdapterError as error:  # the folder changed under us
+                v.state, v.error, v.error_reason = "failed", f"{error.reason}: {error}", error.reason
+                return False
+            self.host.put(key, weights, self._host_evictable)
+        if not self.gpu.make_room(weights, self._gpu_evictable):
+            return False
+        start = time.perf_counter()
+        self.gpu.start_copy(key, weights)
+        v.timings["gpu_copy_issue"] = time.perf_counter() - start
+        return self.gpu.done(key)
+
+    def poll(self) -> None:
+        """Advance every pending load and free unloaded versions nothing uses any more."""
+        with self.lock:
+            for key in list(self.wanted):
+                if key not in self.versions:
+                    self.wanted.discard(key)
+                else:
+                    self._advance(key)
+            for key, v in list(self.versions.items()):
+                if v.unloading and not v.refs and not v.in_flight and key not in self.step_keys:
+                    if self.gpu.holds(key):
+                        self.gpu.evict(key)
+                    self.host.drop(key)
+                    self.wanted.discard(key)
+                    del self.versions[key]
+
+    def ensure_resident(self, keys) -> None:
+        """Block until every key is usable on the GPU (warm-up, and steps the scheduler did not gate)."""
+        with self.lock:
+            for key in keys:
+                v = self.versions.get(key)
+                if v is None:
+                    raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
+                while not self._advance(key):
+                    if v.loading is not None:
+                        v.loading.exception()  # wait for the parse
+                    elif self.gpu.holds(key):
+                        self.gpu.wait(key)
+                    else:
+                        raise AdapterError(
+                            "AdapterInUse" if v.state != "failed" else "WarmFailed",
+                            f"adapter {key!r} cannot be made GPU-resident: {v.error or 'the pool is held by others'}",
+                        )
+
+    # -- one step's metadata (engine thread) -------------------------------------------------------------
+    def prepare_step(
+        self, chunks: list[tuple[str | None, int]], kind: str
+    ) -> dict[str, LoRABatchMeta | None]:
+        """Batch metadata per module pool for a step of ``chunks`` [(adapter key or None, tokens)].
+
+        kind: 'decode' | 'prefill' | 'graph'. A module no token uses gets None (no launch), except under a
+        captured graph, whose launches are fixed (their tiles are then empty).
+        """
+        keys = {k for k, _ in chunks if k is not None}
+        with self.lock:
+            self.step_keys = frozenset(keys)  # making one of them resident must not evict another
+            try:
+                self.poll()
+                self.ensure_resident(keys)
+            finally:
+                self.step_keys = frozenset()
+            for key in keys:
+                self.gpu.touch(key)
+            self.last_step = (sum(n for _, n in chunks), len(chunks), len(keys))
+            meta = None
+            if kind == "graph" or keys:
+                reqs = [(self.gpu.slot_id[k] if k is not None else -1, n) for k, n in chunks]
+                meta = self._metas[kind].build(reqs, self.gpu.ranks)
+            if kind == "graph":
+                return dict.fromkeys(self.gpu.pools, meta)
+            used = {m for k in keys for m in self.gpu.slots[k]}  # modules some token of the step has
+            return {m: meta if m in used else None for m in self.gpu.pools}
+
+    def graph_metas(self) -> dict[str, LoRABatchMeta]:
+        """The fixed metadata a decode graph is captured with (every module, no tiles)."""
+        return dict.fromkeys(self.gpu.pools, self._metas["graph"].build([], self.gpu.ranks))
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=False, cancel_futures=True)

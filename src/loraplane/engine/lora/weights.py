@@ -1,0 +1,231 @@
+"""Read one verified PEFT LoRA folder into host tensors the pool can take, refusing what the engine cannot serve.
+
+Input: ``adapter_config.json`` + ``adapter_model.safetensors`` (never pickle). Keys look like
+``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``; lora_A is [r, in], lora_B is [out, r].
+Unknown config keys are ignored.
+
+Scaling is exactly PEFT's (peft.tuners.lora.LoraModel._create_and_replace): for the module key
+``model.layers.{i}.self_attn.q_proj`` the first ``rank_pattern`` / ``alpha_pattern`` key that matches
+``(.*\\.)?(key)$`` gives r and alpha, else the config's ``r`` and ``lora_alpha``; scale = alpha / r, or
+alpha / sqrt(r) with ``use_rslora``. The scale is folded into B here, so the kernels apply 1.0.
+
+Output (``AdapterWeights``): per PEFT module name (q_proj ... down_proj) the adapter targets, one stacked
+pair ``a`` [L, r_m, in] and ``b`` [L, out, r_m * scale] where r_m is the module's largest rank over layers;
+layers (or rank-rows) it does not have stay zero, so they add exactly nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from loraplane.engine.api import AdapterError
+from loraplane.engine.model.model_config import ModelConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
+_PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+TARGET_MODULES = tuple(_PARENT)  # PEFT names, in packing order
+_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "word_embeddings")
+_KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.(\w+)\.(\w+))\.lora_(A|B)\.weight$")
+
+
+@dataclass(slots=True)
+class AdapterWeights:
+    """One adapter's factors on the host, scale folded into B, in the pool's dtype."""
+
+    a: dict[str, torch.Tensor]  # module -> [L, r_m, in]
+    b: dict[str, torch.Tensor]  # module -> [L, out, r_m] (scaled)
+    ranks: dict[str, int] = field(default_factory=dict)  # module -> r_m (largest over layers)
+
+    @property
+    def rank(self) -> int:
+        return max(self.ranks.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+    def pin(self) -> AdapterWeights:
+        """Page-locked copies, so host-to-device copies can run asynchronously (CUDA only)."""
+        self.a = {m: t.pin_memory() for m, t in self.a.items()}
+        self.b = {m: t.pin_memory() for m, t in self.b.items()}
+        return self
+
+
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """PEFT module name -> (in_features, out_features) of the base projection."""
+    h, f, q, kv = cfg.hidden_size, cfg.intermediate_size, cfg.q_size, cfg.kv_size
+    return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+            "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}  # fmt: skip
+
+
+def read_config(folder: Path) -> dict:
+    """adapter_config.json, checked for every feature the engine does not serve (the message names it)."""
+    path = Path(folder) / CONFIG_FILE
+    try:
+        cfg = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}: missing in {folder}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}: unreadable ({exc})") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}: not a JSON object")
+
+    def unsupported(key: str, why: str) -> AdapterError:
+        return AdapterError("UnsupportedAdapter", f"{CONFIG_FILE}.{key}: {why}")
+
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise unsupported("peft_type", f"{cfg.get('peft_type')!r} is not LORA")
+    if cfg.get("use_dora"):
+        raise unsupported("use_dora", "DoRA adapters are not served")
+    if cfg.get("modules_to_save"):
+        raise unsupported("modules_to_save", "full-weight modules are not served")
+    if cfg.get("fan_in_fan_out"):
+        raise unsupported("fan_in_fan_out", "transposed (Conv1D) weights are not served")
+    if cfg.get("bias", "none") != "none":
+        raise unsupported("bias", f"{cfg.get('bias')!r}: only 'none' is served")
+    if cfg.get("lora_bias"):
+        raise unsupported("lora_bias", "LoRA biases are not served")
+    targets = cfg.get("target_modules")
+    names = [targets] if isinstance(targets, str) else list(targets or [])
+    for name in names:
+        if name == "all-linear" or isinstance(targets, str):
+            continue  # a regex or all-linear: the weights file says which modules it really has
+        if name in _EMBEDDING_NAMES:
+            raise unsupported("target_modules", f"{name!r}: embedding / lm_head LoRA is not served")
+        if name not in _PARENT:
+            raise AdapterError(
+                "UnknownModule", f"{CONFIG_FILE}.target_modules: {name!r} is none of {list(TARGET_MODULES)}"
+            )
+    for key in ("r", "lora_alpha"):
+        value = cfg.get(key, 8 if key == "r" else None)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
+        ):
+            raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}.{key}: {value!r} is not a positive number")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if not isinstance(cfg.get(key) or {}, dict):
+            raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}.{key}: must be an object")
+    return cfg
+
+
+def pattern_value(patterns: dict, module_key: str, default: float) -> float:
+    """PEFT's get_pattern_key: the first pattern key matching ``(.*\\.)?(key)$`` wins."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", module_key):
+            return patterns[key]
+    return default
+
+
+def module_scale(cfg: dict, module_key: str) -> tuple[int, float]:
+    """(r, scale) PEFT uses for ``module_key`` (e.g. 'model.layers.0.self_attn.q_proj')."""
+    r = int(pattern_value(cfg.get("rank_pattern") or {}, module_key, cfg.get("r", 8)))
+    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, module_key, cfg.get("lora_alpha", 8)))
+    return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+
+
+def _refuse_key(key: str) -> AdapterError:
+    if "lora_embedding" in key or any(f".{n}." in key for n in _EMBEDDING_NAMES):
+        return AdapterError("UnsupportedAdapter", f"{WEIGHTS_FILE}: tensor {key!r}: embedding / lm_head LoRA")
+    if "lora_magnitude_vector" in key:
+        return AdapterError("UnsupportedAdapter", f"{WEIGHTS_FILE}: tensor {key!r}: DoRA magnitude")
+    if key.endswith(".bias"):
+        return AdapterError("UnsupportedAdapter", f"{WEIGHTS_FILE}: tensor {key!r}: LoRA bias")
+    if "modules_to_save" in key:
+        return AdapterError("UnsupportedAdapter", f"{WEIGHTS_FILE}: tensor {key!r}: modules_to_save")
+    return AdapterError("UnknownModule", f"{WEIGHTS_FILE}: tensor {key!r} is not a served LoRA A/B weight")
+
+
+def load_adapter_weights(
+    folder: Path, cfg: ModelConfig, *, max_rank: int, dtype: torch.dtype = torch.float32
+) -> AdapterWeights:
+    """Parse, validate and scale one PEFT folder; raises AdapterError naming the field / file / tensor."""
+    folder = Path(folder)
+    config = read_config(folder)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        pickled = [n for n in _PICKLE_FILES if (folder / n).exists()]
+        why = f"only pickle weights ({', '.join(pickled)}) found; never loaded" if pickled else "missing"
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: {why}")
+    shapes, num_layers = module_shapes(cfg), cfg.num_layers
+    pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                m = _KEY.match(key)
+                if not m or _PARENT.get(m[4]) != m[3]:
+                    raise _refuse_key(key)
+                layer, module, ab = int(m[2]), m[4], m[5]
+                if layer >= num_layers:
+                    raise AdapterError(
+                        "ShapeMismatch", f"{WEIGHTS_FILE}: tensor {key!r}: the base has {num_layers} layers"
+                    )
+                pairs.setdefault((module, layer), {})[ab] = f.get_tensor(key)
+    except SafetensorError as exc:
+        raise AdapterError(
+            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
+        ) from None
+    if not pairs:
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: holds no LoRA tensors")
+    factors: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    for (module, layer), ab in sorted(pairs.items()):
+        prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
+        if set(ab) != {"A", "B"}:
+            raise AdapterError(
+                "BadAdapterFile", f"{WEIGHTS_FILE}: {prefix}: lora_A and lora_B must both exist"
+            )
+        a, b = ab["A"], ab["B"]
+        fan_in, fan_out = shapes[module]
+        r = a.shape[0] if a.dim() == 2 else -1
+        if a.dim() != 2 or b.dim() != 2 or a.shape[1] != fan_in or b.shape != (fan_out, r):
+            raise AdapterError(
+                "ShapeMismatch",
+                f"{WEIGHTS_FILE}: {prefix}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)}; the base needs "
+                f"[r, {fan_in}] / [{fan_out}, r]",
+            )
+        if r > max_rank:
+            raise AdapterError(
+                "RankTooHigh", f"{WEIGHTS_FILE}: {prefix}: rank {r} > the engine's max_lora_rank {max_rank}"
+            )
+        for name, t in (("lora_A", a), ("lora_B", b)):
+            if not torch.isfinite(t).all():
+                raise AdapterError(
+                    "NonFiniteWeights", f"{WEIGHTS_FILE}: {prefix}.{name}.weight has NaN or Inf"
+                )
+        want_r, scale = module_scale(config, prefix.removeprefix("base_model.model."))
+        if want_r != r:
+            raise AdapterError(
+                "ShapeMismatch",
+                f"{WEIGHTS_FILE}: {prefix}: rank {r}, but {CONFIG_FILE} (r / rank_pattern) says {want_r}",
+            )
+        factors.setdefault(module, {})[layer] = (a.float(), b.float() * scale)
+    return _stack(factors, shapes, num_layers, dtype)
+
+
+def _stack(factors, shapes, num_layers: int, dtype: torch.dtype) -> AdapterWeights:
+    out = AdapterWeights(a={}, b={})
+    for module in TARGET_MODULES:
+        if module not in factors:
+            continue
+        fan_in, fan_out = shapes[module]
+        r_m = max(a.shape[0] for a, _ in factors[module].values())
+        a_m = torch.zeros(num_layers, r_m, fan_in, dtype=dtype)  # [L, r_m, in]
+        b_m = torch.zeros(num_layers, fan_out, r_m, dtype=dtype)  # [L, out, r_m]
+        for layer, (a, b) in factors[module].items():
+            a_m[layer, : a.shape[0]] = a.to(dtype)
+            b_m[layer, :, : a.shape[0]] = b.to(dtype)
+        out.a[module], out.b[module], out.ranks[module] = a_m, b_m, r_m
+    return out
+
+
+def safetensors_bytes(folder: Path) -> int:
+    return (Path(folder) / WEIGHTS_FILE).stat().st_size

@@ -1,0 +1,1 @@
+"""The base model on the device: weights, attention, the model runner, sampling, detokenizing, CUDA graphs."""

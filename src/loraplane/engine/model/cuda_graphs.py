@@ -1,0 +1,77 @@
+"""Decode steps replayed from CUDA graphs captured per batch-size bucket.
+
+A decode step of B sequences is padded to the smallest captured bucket >= B: padding rows get slot -1
+(no KV write) and context length 0 (the decode kernel writes zeros), so they cost a few idle programs.
+All graphs share one memory pool and one set of static input buffers, captured largest first.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from loraplane.engine.model.attention import AttentionMetadata
+from loraplane.engine.model.model import CausalLM
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, batch_sizes: tuple[int, ...], max_blocks_per_seq: int,
+                 device: torch.device) -> None:  # fmt: skip
+        self.model = model
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        n = self.batch_sizes[-1]
+        # static inputs, [max bucket] each; block tables [max bucket, max blocks per sequence]
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # [bucket, V] fp32 static outputs
+        self._capture_all()
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.batch_sizes[-1]
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
+        )
+
+    def _run_model(self, bs: int) -> torch.Tensor:
+        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for bs in reversed(self.batch_sizes):
+            self._run_model(bs)  # warm-up: compiles the Triton kernels and sets up cuBLAS outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[bs] = self._run_model(bs)
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def bucket(self, batch_size: int) -> int:
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, batch_size)]
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+            seq_lens: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        """Inputs for B <= max_batch_size rows (host or device tensors); block_tables [B, W]. Returns [B, V]."""
+        B, W = block_tables.shape
+        bs = self.bucket(B)
+        self.input_ids[:B].copy_(input_ids, non_blocking=True)
+        self.positions[:B].copy_(positions, non_blocking=True)
+        self.slot_mapping[:B].copy_(slot_mapping, non_blocking=True)
+        self.seq_lens[:B].copy_(seq_lens, non_blocking=True)
+        self.block_tables[:B, :W].copy_(block_tables, non_blocking=True)
+        if bs > B:  # padding rows: no KV write, empty context
+            self.slot_mapping[B:bs].fill_(-1)
+            self.seq_lens[B:bs].zero_()
+        self.graphs[bs].replay()
+        return self.logits[bs][:B]

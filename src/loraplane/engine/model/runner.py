@@ -1,0 +1,434 @@
+"""The only owner of the device: loads the model, holds the paged KV cache, runs one scheduled step.
+
+Per step the runner flattens the scheduled chunks into one token batch and builds every index tensor
+once (token ids, positions, KV slots, block tables, context lengths, rows to score); layers share them
+through ``AttentionMetadata``. Decode-only steps replay a CUDA graph when one fits.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from loraplane.engine.lora.layers import LoRAStepState, build_pools, pool_row_bytes, wrap_model
+from loraplane.engine.lora.manager import AdapterManager
+from loraplane.engine.lora.residency import NullResidency
+from loraplane.engine.memory.pool import UnifiedGpuTier, build_unified, chunk_blocks_for
+from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan, paged_decode
+from loraplane.engine.model.cuda_graphs import DecodeGraphs
+from loraplane.engine.model.model import CausalLM
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.engine.model.sampler import SamplingMetadata, sample
+from loraplane.engine.model.weights import base_hash, load_model
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_GRAPH_RESERVE_BYTES = 1 << 30  # graphs, sampler temporaries, cuBLAS/Triton workspaces outside the profile
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of the sampled token, when requested
+    top_logprobs: dict[int, float] | None = None
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor  # [S] int64 rows whose next token is sampled
+    decode_only: bool
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("EngineConfig.device: 'cuda' requested but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def _eos_ids(model_dir: Path, cfg: ModelConfig) -> tuple[int, ...]:
+    ids = list(cfg.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        for t in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if t not in ids:
+                ids.append(int(t))
+    return tuple(ids)
+
+
+class ModelRunner:
+    def __init__(
+        self, config, *, model: CausalLM | None = None, model_config: ModelConfig | None = None, tp=None
+    ) -> None:
+        """``model``/``model_config``: an already built model (benchmarks with random weights); else load.
+        ``tp``: this rank's parallel.TPGroup (None: one process); the model and KV cache are then its shard."""
+        self.config = config
+        self.tp = tp  # TP hook: see parallel/launch.py
+        self.tp_driver = None  # TP hook: rank 0 sends each step to the workers once serving
+        self.device = tp.device if tp is not None else resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        cfg = model_config or ModelConfig.from_pretrained(config.model, config.max_model_len)
+        full_cfg = cfg
+        self.full_model_config = cfg  # TP hook: adapters are parsed and checked whole, then sharded
+        if tp is not None:  # TP hook: this rank's heads and MLP columns; the vocabulary stays whole
+            from loraplane.engine.parallel.group import shard_config
+
+            cfg = shard_config(cfg, tp.size)
+        self.model_config = cfg
+        self.max_model_len = config.max_model_len or cfg.default_max_model_len()
+        if self.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(
+                f"EngineConfig.max_model_len: {self.max_model_len} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}"
+            )
+        self.block_size = config.block_size
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = _eos_ids(Path(config.model), cfg)
+        free_before = self._free_device_memory()
+        if model is None and tp is not None:  # TP hook: each rank reads only its slices
+            from loraplane.engine.parallel.loader import load_sharded_model
+
+            self.model = load_sharded_model(config.model, full_cfg, tp, self.device, self.dtype)
+            self.base_hash = base_hash(config.model) if tp.is_driver else "worker"  # rank 0 reports it
+        elif model is None:
+            self.model = load_model(config.model, cfg, self.device, self.dtype)
+            self.base_hash = base_hash(config.model)
+        else:
+            self.model, self.base_hash = model, "in-memory"
+        self.model.init_rope(self.max_model_len, self.device)
+        self.memory = None  # the unified memory when KV and adapters share one arena (memory_mode)
+        self._init_lora()  # before KV sizing: the adapter pools come out of the same memory
+        self.num_kv_blocks = self._num_kv_blocks(free_before)
+        if tp is not None:  # TP hook: one block table for all ranks, so the same number of blocks
+            self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
+        self._allocate_kv_cache()
+        self.generators: dict[int, torch.Generator] = {}
+        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.graphs: DecodeGraphs | None = None
+        self.base_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self._compile_step_kernels()
+        if self.device.type == "cuda" and not config.enforce_eager:
+            sizes = tuple(s for s in config.cuda_graph_batch_sizes if s <= config.max_num_seqs)
+            if sizes:
+                self._capture_graphs(sizes)
+
+    # ------------------------------------------------------------------------------------ adapters
+    def _init_lora(self) -> None:
+        """Adapter pools (one per PEFT module), the LoRA wrappers and the registry / residency."""
+        self.lora: AdapterManager | None = None
+        self.lora_state: LoRAStepState | None = None
+        self.residency = NullResidency()
+        cfg = self.config
+        if not cfg.enable_lora or cfg.memory_mode == "unified":
+            return  # unified: the pools are views over the KV arena, built with it (_allocate_kv_cache)
+        rows = self._lora_pool_bytes() // sum(pool_row_bytes(self.model_config, self.dtype).values())
+        self._attach_lora(build_pools(self.model_config, rows, cfg.max_lora_rank, self.dtype, self.device))
+
+    def _lora_pool_bytes(self) -> int:
+        """What the split adapter pools hold: lora_pool_bytes, else max_loras adapters of max rank everywhere."""
+        cfg = self.config
+        if not cfg.enable_lora:
+            return 0
+        row_bytes = sum(pool_row_bytes(self.model_config, self.dtype).values())
+        rows = cfg.lora_pool_bytes // row_bytes if cfg.lora_pool_bytes else cfg.max_loras * cfg.max_lora_rank
+        return rows * row_bytes
+
+    def _attach_lora(self, pools, gpu_tier=None) -> None:
+        cfg = self.config
+        graph_bs = 0
+        if self.device.type == "cuda" and not cfg.enforce_eager:
+            graph_bs = max((s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs), default=0)
+        self.lora = AdapterManager(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
+                                   host_bytes=cfg.lora_host_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                   max_num_seqs=cfg.max_num_seqs,
+                                   graph_batch_size=graph_bs, gpu_tier=gpu_tier)  # fmt: skip
+        self.lora_state = LoRAStepState(pools)
+        wrap_model(self.model, self.lora_state)
+        self.residency = self.lora
+
+    def _capture_graphs(self, sizes: tuple[int, ...]) -> None:
+        """Decode graphs; with adapters, two sets: base-only steps replay graphs without LoRA launches,
+        steps with an adapter replay graphs holding every module's launches on fixed metadata buffers."""
+        self.base_graphs: DecodeGraphs | None = None
+        if self.lora is None:
+            self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+            return
+        self.base_graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+        self.lora_state.metas = self.lora.graph_metas()
+        try:
+            self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+        finally:
+            self.lora_state.metas = dict.fromkeys(self.lora_state.pools)
+
+    def _set_lora_step(self, batch, kind: str) -> None:
+        if self.lora is not None:
+            chunks = [(getattr(c.seq, "adapter", None), c.num_tokens) for c in batch.chunks]
+            self.lora_state.metas = self.lora.prepare_step(chunks, kind)
+
+    def _tp_send(self, inp: StepInputs, batch, kind: str | None) -> None:
+        """TP hook: the workers run the same step (after prepare_step: its adapter moves went first)."""
+        if self.tp_driver is not None:
+            self.tp_driver.send_step(inp, batch, kind, self.lora)
+
+    @torch.inference_mode()
+    def warm_adapter(self, key: str, num_tokens: int = 8) -> float:
+        """Make ``key`` GPU-resident and run one real forward through it (no KV written); returns seconds.
+        Raises AdapterError('WarmFailed') when the logits are not finite."""
+        from loraplane.engine.api import AdapterError
+
+        start = time.perf_counter()
+        ids = torch.arange(1, num_tokens + 1, device=self.device) % self.vocab_size  # [n]
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(slot_mapping=torch.full((num_tokens,), -1, device=self.device),
+                                 prefill=[PrefillSpan(0, num_tokens, num_tokens, -1)])  # fmt: skip
+        batch = SimpleNamespace(
+            chunks=[SimpleNamespace(seq=SimpleNamespace(adapter=key), num_tokens=num_tokens)]
+        )
+        self._set_lora_step(batch, "prefill")
+        rows = torch.arange(num_tokens, device=self.device)
+        self._tp_send(StepInputs(ids, positions, meta, rows, False), batch, "prefill")
+        logits = self.model(ids, positions, meta, rows)
+        if not bool(torch.isfinite(logits).all()):
+            raise AdapterError("WarmFailed", f"adapter {key!r}: a forward through it gave non-finite logits")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter() - start
+
+    # ------------------------------------------------------------------------------------ KV cache
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def kv_block_bytes(self) -> int:
+        cfg = self.model_config
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+
+    def _free_device_memory(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        self._allocated_before = torch.cuda.memory_allocated()
+        return torch.cuda.mem_get_info()[0]
+
+    def _num_kv_blocks(self, free_before: int) -> int:
+        blocks = self._num_split_kv_blocks(free_before)
+        if self.config.memory_mode != "unified":
+            return blocks
+        # One arena for what the split would give KV and the adapter pools (on CUDA the pools were never
+        # allocated, so the profiled budget already holds them), in whole chunks.
+        if self.config.num_kv_blocks is not None or self.device.type != "cuda":
+            blocks += -(-self._lora_pool_bytes() // self.kv_block_bytes)
+        chunk = chunk_blocks_for(self.model_config, self.block_size)
+        return max(chunk, blocks // chunk * chunk)
+
+    def _num_split_kv_blocks(self, free_before: int) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.device.type != "cuda":
+            return max(1, self.config.cpu_kv_cache_bytes // self.kv_block_bytes)
+        self._profile_forward()
+        used = torch.cuda.max_memory_allocated() - self._allocated_before  # weights + peak activations
+        budget = int(free_before * self.config.gpu_memory_utilization) - used - _GRAPH_RESERVE_BYTES
+        if budget < self.kv_block_bytes * self.max_blocks_per_seq:
+            raise ValueError(
+                f"EngineConfig.gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves "
+                f"{budget / 2**30:.2f} GiB for KV, less than one sequence of max_model_len={self.max_model_len}"
+            )
+        return budget // self.kv_block_bytes
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """One forward at the largest step size (empty cache: no KV writes) to measure peak activations."""
+        T = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
+        spans, row = [], 0
+        while row < T:
+            n = min(self.max_model_len, T - row)
+            spans.append(PrefillSpan(row, n, n, -1))
+            row += n
+        ids = torch.randint(0, self.vocab_size, (T,), device=self.device)
+        positions = torch.cat([torch.arange(s.q_len, device=self.device) for s in spans])
+        meta = AttentionMetadata(slot_mapping=torch.full((T,), -1, device=self.device), prefill=spans)
+        rows = torch.arange(min(T, self.config.max_num_seqs), device=self.device)
+        self.model(ids, positions, meta, rows)
+        torch.cuda.synchronize()
+
+    def _allocate_kv_cache(self) -> None:
+        cfg = self.model_config
+        if self.config.memory_mode == "unified":  # k_cache = arena[0], v_cache = arena[1]: contiguous
+            lora = self.config.enable_lora
+            arenas, self.memory, pools = build_unified(cfg, self.num_kv_blocks, self.block_size,
+                                                       self.config.max_lora_rank, self.dtype, self.device, lora)  # fmt: skip
+            for layer, arena in zip(self.model.model.layers, arenas, strict=True):
+                layer.self_attn.k_cache, layer.self_attn.v_cache = arena[0], arena[1]
+            if lora:
+                self._attach_lora(pools, UnifiedGpuTier(pools, self.memory, self.device))
+            return
+        shape = (self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        for layer in self.model.model.layers:
+            layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    @torch.inference_mode()
+    def _compile_step_kernels(self) -> None:
+        """Run each step shape once so that Triton compiles its kernels now, not inside the first requests:
+        a mixed step (fresh prefill, continued chunk, decode row with a 3-block table) and the decode kernel
+        at every split count. It writes KV only into blocks no sequence owns yet."""
+        bs = self.block_size
+        if self.num_kv_blocks < 9:
+            return
+        seqs = [SimpleNamespace(token_ids=[1] * (2 * bs + 1), block_table=[3 * i, 3 * i + 1, 3 * i + 2])
+                for i in range(3)]  # fmt: skip
+        chunks = [
+            SimpleNamespace(seq=seqs[0], start=0, num_tokens=2 * bs + 1, sample=True),
+            SimpleNamespace(seq=seqs[1], start=bs, num_tokens=bs + 1, sample=True),
+            SimpleNamespace(seq=seqs[2], start=2 * bs, num_tokens=1, sample=True),
+        ]
+        self.forward_logits(SimpleNamespace(chunks=chunks))
+        layer = self.model.model.layers[0].self_attn
+        cfg = self.model_config
+        q = torch.zeros(1, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+        tables = torch.tensor([[0, 1, 2]], dtype=torch.int32, device=self.device)
+        lens = torch.tensor([2 * bs + 1], dtype=torch.int32, device=self.device)
+        for splits in (1, 2, 4, 8, 16):
+            paged_decode(q, layer.k_cache, layer.v_cache, tables, lens, 1.0, num_splits=splits)
+        torch.cuda.synchronize()
+
+    # --------------------------------------------------------------------------------------- inputs
+    def _prepare(self, batch) -> StepInputs:
+        bs, cuda = self.block_size, self.device.type == "cuda"
+        ids: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        spans: list[PrefillSpan] = []
+        gather: list[int] = []
+        dec_rows: list[int] = []
+        dec_tables: list[list[int]] = []
+        dec_lens: list[int] = []
+        sample_rows: list[int] = []
+        for chunk in batch.chunks:
+            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
+            end, row, table = start + n, len(ids), seq.block_table
+            if end > self.max_model_len:
+                raise ValueError(
+                    f"sequence {seq.seq_id}: {end} tokens exceed max_model_len={self.max_model_len}"
+                )
+            ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if n == 1 and cuda:
+                dec_rows.append(row)
+                dec_tables.append(table[: -(-end // bs)])
+                dec_lens.append(end)
+            elif start == 0:
+                spans.append(PrefillSpan(row, n, n, -1))
+            else:
+                spans.append(PrefillSpan(row, n, end, len(gather)))
+                gather.extend(table[p // bs] * bs + p % bs for p in range(end))
+            if chunk.sample:
+                sample_rows.append(row + n - 1)
+        T = len(ids)
+        pad, Tp, S = [0] * (T % 2), T + T % 2, len(sample_rows)
+        # int64; positions and slots start 16-byte aligned for any T (Triton specialises pointer alignment)
+        flat = torch.tensor(ids + pad + positions + pad + slots + sample_rows + gather + dec_rows)
+        flat = flat.to(self.device, non_blocking=True)
+        cuts = (Tp + T, 2 * Tp, 2 * Tp + T, 2 * Tp + T + S, 2 * Tp + T + S + len(gather))
+        meta = AttentionMetadata(slot_mapping=flat[cuts[1] : cuts[2]], prefill=spans)
+        if gather:
+            meta.gather_slots = flat[cuts[3] : cuts[4]]
+        decode_only = len(dec_rows) == len(batch.chunks)
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            padded = [t + [0] * (width - len(t)) for t in dec_tables]
+            meta.block_tables = torch.tensor(padded, dtype=torch.int32).to(self.device, non_blocking=True)
+            meta.seq_lens = torch.tensor(dec_lens, dtype=torch.int32).to(self.device, non_blocking=True)
+            meta.decode_rows = None if decode_only else flat[cuts[4] :]
+        return StepInputs(flat[:T], flat[Tp : cuts[0]], meta, flat[cuts[2] : cuts[3]], decode_only)
+
+    def _sampling_metadata(self, batch) -> SamplingMetadata:
+        params = [c.seq.sampling for c in batch.chunks if c.sample]
+        seqs = [c.seq for c in batch.chunks if c.sample]
+        gens: list[torch.Generator | None] = []
+        for seq, p in zip(seqs, params, strict=True):
+            if p.seed is None or p.temperature == 0:
+                gens.append(None)
+                continue
+            if seq.seq_id not in self.generators:
+                self.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(p.seed)
+            gens.append(self.generators[seq.seq_id])
+        all_greedy = all(p.temperature == 0 for p in params)
+        dev = torch.device("cpu") if all_greedy else self.device
+        return SamplingMetadata(
+            temperatures=torch.tensor([float(p.temperature) for p in params], dtype=torch.float32).to(dev),
+            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64).to(dev),
+            top_ps=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32).to(dev),
+            all_greedy=all_greedy,
+            any_top_k=any(p.top_k > 0 and p.temperature > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
+            generators=gens,
+            num_logprobs=[p.logprobs for p in params],
+        )
+
+    # ---------------------------------------------------------------------------------------- step
+    @torch.inference_mode()
+    def forward_logits(self, batch) -> torch.Tensor:
+        """Run the model on one scheduled step; fp32 logits [S, V] of the chunks that sample."""
+        inp = self._prepare(batch)
+        meta = inp.meta
+        if inp.decode_only and self.graphs is not None and len(batch.chunks) <= self.graphs.max_batch_size:
+            graphs = self.graphs
+            if self.base_graphs is not None and all(
+                getattr(c.seq, "adapter", None) is None for c in batch.chunks
+            ):
+                graphs = self.base_graphs  # no adapter in the step: no LoRA launch at all
+                self.lora.poll()  # loads for waiting requests keep moving
+                self._tp_send(inp, batch, None)
+            else:
+                self._set_lora_step(batch, "graph")
+                self._tp_send(inp, batch, "graph")
+            logits = graphs.run(
+                inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
+            )
+            # a 1-token chunk that does not end its prompt scores nothing
+            return logits if inp.logits_indices.numel() == logits.shape[0] else logits[inp.logits_indices]
+        kind = "decode" if inp.decode_only else "prefill"
+        self._set_lora_step(batch, kind)
+        self._tp_send(inp, batch, kind)
+        return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)
+
+    @torch.inference_mode()
+    def execute(self, batch) -> list[SampledToken]:
+        """One SampledToken per chunk with sample=True, in chunk order."""
+        if batch.freed_seq_ids:
+            self.release(batch.freed_seq_ids)
+        if not batch.chunks:
+            return []
+        logits = self.forward_logits(batch)
+        if logits.shape[0] == 0:
+            return []
+        out = sample(logits, self._sampling_metadata(batch), self.default_generator)
+        return [
+            SampledToken(t, lp, top)
+            for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)
+        ]
+
+    def release(self, seq_ids) -> None:
+        for seq_id in seq_ids:
+            self.generators.pop(seq_id, None)

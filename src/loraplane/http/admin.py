@@ -1,0 +1,214 @@
+"""The admin API on its own port (the operator's contract: docs/operator.md, "The pods' admin API").
+
+Every route, /metrics and the probes included, needs ``Authorization: Bearer <admin token>`` (the same
+Bearer rule as the public port; compared in constant time; never logged). Errors are
+``{"reason": "<CamelCase>", "message": "..."}`` (what the operator's admin client reads) plus the
+OpenAI-style ``error`` object. None of these routes exists on the public app.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import FastAPI, Query, Request
+from fastapi import Path as PathParam
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from loraplane.engine.api import AdapterError
+from loraplane.http.adapters import FAILED, WARM, AdapterManager, LoadFailed, LoadSpec, unload_from
+from loraplane.http.app import ServerState, health, liveness
+from loraplane.http.auth import bearer_token
+from loraplane.http.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR
+from loraplane.http.logs import RequestLog
+from loraplane.http.views import adapter_views
+
+POD_FAILED = "PodFailed"  # the operator's reason for "a pod refused for another reason"
+UNAUTHORIZED = "Unauthorized"
+NAME_PATTERN = r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$"  # a URL segment and a Prometheus label value
+DIGEST_PATTERN = r"^sha256:[0-9a-f]{64}$"
+DEFAULT_WAIT_S = 5.0  # a PUT waits this long for the load to finish before answering 202
+
+AdapterName = Annotated[str, PathParam(pattern=NAME_PATTERN)]
+Version = Annotated[str, Field(pattern=NAME_PATTERN)]
+
+
+class AdminError(Exception):
+    def __init__(self, status: int, reason: str, message: str, type: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.status, self.reason, self.message, self.type = status, reason, message, type
+
+    def response(self) -> JSONResponse:
+        body = {
+            "reason": self.reason,
+            "message": self.message,
+            "error": {"message": self.message, "type": self.type, "param": None, "code": self.reason},
+        }
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(body, status_code=self.status, headers=headers)
+
+
+class LoadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str = Field(pattern=r"^s3://", max_length=1024)
+    version: Version
+    manifest_digest: str | None = Field(default=None, pattern=DIGEST_PATTERN)
+    pin: bool = False
+    warm: Literal["gpu", "host"] = "gpu"
+
+
+class AliasBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Version
+
+
+class PinBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Version
+    pinned: bool = True
+
+
+def read_admin_token(path: str | Path) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"admin_token_file: cannot read {path}: {exc.strerror}") from None
+    if not token or any(c.isspace() for c in token):
+        raise ValueError(f"admin_token_file: {path} must hold one token (non-empty, no whitespace)")
+    return token
+
+
+def create_admin_app(state: ServerState, token: str, manager: AdapterManager | None = None,
+                     *, wait_s: float = DEFAULT_WAIT_S) -> FastAPI:  # fmt: skip
+    """The admin app over the public app's state: one engine, one set of adapters, one metrics registry.
+
+    Without a manager (no --host-cache-dir) adapters can still be listed, switched, pinned and unloaded;
+    loads from S3 answer 500 PodFailed naming the missing setting.
+    """
+    if not token:
+        raise ValueError("admin_token: must be non-empty")
+    app = FastAPI(title="loraplane admin", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = state
+    state.adapters = manager
+    _install_error_handlers(app)
+    _add_routes(app, state, manager, wait_s)
+    app.add_middleware(AdminAuth, token=token)
+    app.add_middleware(RequestLog, metrics=state.metrics)
+    return app
+
+
+class AdminAuth:
+    """ASGI middleware: every request, unknown paths included, needs the token before anything answers."""
+
+    def __init__(self, app, token: str) -> None:
+        self.app, self._expected = app, hashlib.sha256(token.encode()).digest()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+            given = hashlib.sha256((bearer_token(header) or "").encode()).digest()
+            if not hmac.compare_digest(given, self._expected):
+                error = AdminError(401, UNAUTHORIZED, "missing or invalid admin token", AUTHENTICATION)
+                return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(AdminError)
+    async def _admin(_: Request, exc: AdminError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(LoadFailed)
+    async def _load(_: Request, exc: LoadFailed) -> JSONResponse:
+        return AdminError(exc.status, exc.reason, exc.message, SERVER_ERROR).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        reason = "NotFound" if exc.status_code == 404 else POD_FAILED
+        kind = NOT_FOUND if exc.status_code == 404 else INVALID_REQUEST
+        return AdminError(exc.status_code, reason, str(exc.detail), kind).response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body", "path", "query"))
+        return AdminError(422, "InvalidRequest", f"{where or 'body'}: {first['msg']}").response()
+
+
+def _add_routes(app: FastAPI, state: ServerState, manager: AdapterManager | None, wait_s: float) -> None:
+    engine = state.engine
+
+    @app.get("/health/live")
+    async def live() -> JSONResponse:
+        return liveness(state)
+
+    @app.get("/health/ready")
+    async def ready() -> JSONResponse:
+        return health(state)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/admin/adapters")
+    async def list_adapters(name: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None) -> dict:
+        views = adapter_views(engine.adapters(), manager.entries if manager else {})
+        return {
+            "base_hash": state.info.base_hash,
+            "adapters": [v for v in views if name in (None, v["name"])],
+        }
+
+    @app.put("/admin/adapters/{name}")
+    async def load(name: AdapterName, body: LoadBody) -> JSONResponse:
+        if manager is None:
+            raise AdminError(500, POD_FAILED, "this server has no --host-cache-dir: it cannot pull adapters",
+                             SERVER_ERROR)  # fmt: skip
+        spec = LoadSpec(name, body.version, body.uri, body.manifest_digest, body.pin, body.warm == "gpu")
+        entry = await manager.ensure(spec, wait_s)
+        if entry.state == FAILED and entry.error is not None:
+            raise entry.error
+        view = _view_of(name, body.version)
+        return JSONResponse(view, status_code=200 if entry.state == WARM else 202)
+
+    def _view_of(name: str, version: str) -> dict:
+        views = adapter_views(engine.adapters(), manager.entries if manager else {})
+        return next(v for v in views if (v["name"], v["version"]) == (name, version))
+
+    @app.post("/admin/adapters/{name}/alias")
+    async def alias(name: AdapterName, body: AliasBody) -> dict:
+        info = next((a for a in engine.adapters() if (a.name, a.version) == (name, body.version)), None)
+        if info is None:
+            raise AdminError(404, "NotFound", f"{name}@{body.version} is not loaded here", NOT_FOUND)
+        if info.state != WARM:
+            raise AdminError(409, "NotWarm", f"{name}@{body.version} is {info.state}, not warm")
+        await engine.set_alias(name, body.version)
+        return _view_of(name, body.version)
+
+    @app.post("/admin/adapters/{name}/pin")
+    async def pin(name: AdapterName, body: PinBody) -> dict:
+        try:
+            if manager is not None:
+                await manager.set_pin(name, body.version, body.pinned)
+            else:
+                await engine.pin_adapter(name, body.version, body.pinned)
+        except AdapterError as exc:
+            raise AdminError(404, "NotFound", exc.message, NOT_FOUND) from None
+        return _view_of(name, body.version)
+
+    @app.delete("/admin/adapters/{name}")
+    async def unload(name: AdapterName, version: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None):
+        if manager is not None:
+            gone = await manager.unload(name, version)
+        else:
+            gone = await unload_from(engine, name, version)
+            state.metrics.unloads.inc(len(gone))
+        if not gone:
+            what = f"{name}@{version}" if version else name
+            raise AdminError(404, "NotFound", f"{what} is not loaded here", NOT_FOUND)
+        return {"unloaded": gone}

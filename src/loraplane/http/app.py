@@ -1,0 +1,171 @@
+"""The FastAPI app: OpenAI routes, health probes, API keys, a body size limit, OpenAI-style errors.
+
+``create_app`` takes a running AsyncEngine and its tokenizer; whoever built the engine closes it. Everything
+the routes need hangs off ``app.state.server`` (one ServerState), which the admin app (admin.py) shares: one
+engine, one set of adapters, one metrics registry. The HTTP side sees the engine only through AsyncEngine's
+public methods and the types of ``engine.api``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from loraplane.engine.api import EngineInfo
+from loraplane.engine.core.async_engine import AsyncEngine
+from loraplane.http.auth import OPEN, ApiKeys, Principal
+from loraplane.http.errors import AUTHENTICATION, APIError, install_error_handlers
+from loraplane.http.limits import KeyLimits
+from loraplane.http.logs import RequestLog
+from loraplane.http.metrics import Metrics
+from loraplane.http.models import ServedModels
+
+DEFAULT_MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits max_model_len; stops memory abuse first
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: object  # a transformers tokenizer (duck-typed: encode, decode, apply_chat_template)
+    info: EngineInfo
+    models: ServedModels
+    api_keys: ApiKeys | None
+    metrics: Metrics
+    limits: KeyLimits = field(default_factory=KeyLimits)
+    adapters: object | None = None  # the admin side's AdapterManager, once an admin app exists
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def health(state: ServerState) -> JSONResponse:
+    """Readiness: the loaded base's hash while the engine runs, 503 once it stopped."""
+    body = {"base_hash": state.info.base_hash, "model": state.models.base_name}
+    if state.engine.is_alive():
+        return JSONResponse({"status": "ready", **body})
+    return JSONResponse({"status": "engine stopped", **body}, status_code=503)
+
+
+def liveness(state: ServerState) -> JSONResponse:
+    """503 once the engine is dead, so the kubelet restarts the pod (nothing else will bring it back)."""
+    if state.engine.is_alive():
+        return JSONResponse({"status": "live"})
+    return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+
+def require_api_key(request: Request) -> Principal:
+    state = server_state(request)
+    if state.api_keys is None:
+        principal = OPEN
+    else:
+        principal = state.api_keys.authenticate(request.headers.get("authorization"))
+        if principal is None:
+            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                           type=AUTHENTICATION, code="invalid_api_key")  # fmt: skip
+    request.state.key_name = principal.name
+    return principal
+
+
+class BodySizeLimit:
+    """ASGI middleware: buffers a request body up to ``max_bytes`` and answers 413 beyond it.
+
+    It reads the body before the app sees it (Content-Length can be absent or lie), then replays it; later
+    receive() calls go to the server again, so the routes still see the client's disconnect.
+    """
+
+    def __init__(self, app, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._too_large(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            more = message.get("more_body", False)
+            if size > self.max_bytes:
+                return await self._too_large(scope, receive, send)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        error = APIError(413, f"request body is larger than {self.max_bytes} bytes", code="body_too_large")
+        await error.response()(scope, receive, send)
+
+
+def create_app(
+    engine: AsyncEngine,
+    tokenizer,
+    served_model_name: str,
+    api_keys: ApiKeys | list[str] | None = None,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    metrics: Metrics | None = None,
+) -> FastAPI:
+    """The public app. Its /openapi.json needs a key whenever keys are configured."""
+    from loraplane.http.openai_api import router as openai_router
+
+    if not served_model_name:
+        raise ValueError("served_model_name: must be non-empty")
+    if isinstance(api_keys, list):
+        api_keys = ApiKeys(api_keys)
+    metrics = metrics if metrics is not None else Metrics()
+    app = FastAPI(title="loraplane", version="1", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.server = ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        info=engine.info(),
+        models=ServedModels(served_model_name),
+        api_keys=api_keys,
+        metrics=metrics,
+    )
+    engine.add_step_listener(metrics.on_step)
+    install_error_handlers(app)
+    app.include_router(openai_router, prefix="/v1", dependencies=[Depends(require_api_key)])
+    _add_health_routes(app)
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_api_key)])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(RequestLog, metrics=metrics)
+    return app
+
+
+def _add_health_routes(app: FastAPI) -> None:
+    """Unauthenticated: kubelet probes carry no key."""
+
+    @app.get("/health/live")
+    async def live(request: Request) -> JSONResponse:
+        return liveness(server_state(request))
+
+    @app.get("/health/ready")
+    async def ready(request: Request) -> JSONResponse:
+        return health(server_state(request))

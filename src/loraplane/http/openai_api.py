@@ -1,0 +1,181 @@
+"""OpenAI-compatible routes: /v1/models, /v1/chat/completions, /v1/completions.
+
+A request's way here: resolve ``model`` for this caller (the base, or an adapter alias fixed to its serving
+version now), refuse what we cannot do (naming the field), build the prompt's token ids (the chat template
+for chat), fit max_tokens into max_model_len, admit it under the key's limits, submit it to the AsyncEngine,
+and answer whole or as SSE.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from loraplane.engine.api import AdapterError, OverloadedError
+from loraplane.http.app import ServerState, require_api_key, server_state
+from loraplane.http.auth import Principal
+from loraplane.http.checks import (
+    chat_prompt,
+    completion_prompt,
+    fit_max_tokens,
+    refuse_unsupported,
+    sampling_params,
+)
+from loraplane.http.errors import SERVER_ERROR, APIError, from_engine_value_error, too_many_requests
+from loraplane.http.limits import LimitExceeded
+from loraplane.http.models import Target, model_not_found
+from loraplane.http.protocol import (
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    ModelList,
+    ResponseMessage,
+    new_id,
+    now,
+)
+from loraplane.http.runs import RequestFailed, Run
+from loraplane.http.streaming import (
+    ChatStream,
+    CompletionStream,
+    TokenTexts,
+    chat_logprobs,
+    collect,
+    completion_logprobs,
+    sse,
+)
+
+router = APIRouter()
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+COMPLETIONS_DEFAULT_MAX_TOKENS = (
+    16  # OpenAI's default for /v1/completions; chat defaults to all the room left
+)
+
+
+@router.get("/models")
+async def list_models(request: Request, principal: Principal = Depends(require_api_key)) -> ModelList:
+    state = server_state(request)
+    return ModelList(data=state.models.cards(state.engine, principal))
+
+
+def _target(request: Request, state: ServerState, model: str, principal: Principal) -> Target:
+    target = state.models.resolve(state.engine, model, principal)
+    request.state.model = model
+    request.state.adapter_label = state.metrics.adapter_label(target.adapter)
+    return target
+
+
+def _start(request: Request, state: ServerState, principal: Principal, target: Target, prompt: list[int],
+           sampling, request_id: str, prompt_param: str):  # fmt: skip
+    """Admit under the key's limits and submit; (run, outputs). Refusals come back as HTTP errors."""
+    try:
+        ticket = state.limits.admit(principal, len(prompt))
+    except LimitExceeded as exc:
+        state.metrics.rejected.labels("key_limit").inc()
+        raise too_many_requests(exc.message, exc.retry_after_s, "rate_limit_exceeded") from None
+    tier = "gpu"
+    if target.key is not None:
+        tier = state.engine.tier_of(target.key) or "remote"
+        if tier != "gpu":
+            state.metrics.cold_starts.labels(tier).inc()
+    run = Run(request_id, target, tier, ticket, state.metrics)
+    try:
+        stream = state.engine.add_request(prompt, sampling, request_id=request_id, adapter=target.key)
+    except AdapterError as exc:  # unloaded between resolve and submit: as if it never existed
+        ticket.release()
+        if exc.reason == "AdapterNotFound":
+            raise model_not_found(request.state.model) from None
+        raise APIError(503, f"model `{request.state.model}` is not usable now: {exc.message}",
+                       type=SERVER_ERROR, code=exc.reason) from None  # fmt: skip
+    except OverloadedError:
+        ticket.release()
+        state.metrics.rejected.labels("overload").inc()
+        raise
+    except ValueError as exc:
+        ticket.release()
+        raise from_engine_value_error(exc, prompt_param) from None
+    except BaseException:
+        ticket.release()
+        raise
+    state.metrics.prompt_tokens.labels(request.state.adapter_label).inc(len(prompt))
+    return run, run.outputs(stream)
+
+
+async def _collect(request: Request, state: ServerState, request_id: str, outputs, prompt_param: str):
+    try:
+        return await collect(request, state.engine, request_id, outputs)
+    except RequestFailed as exc:
+        raise APIError(500, f"the request failed: {exc}", type=SERVER_ERROR, code="request_failed") from None
+    except ValueError as exc:
+        raise from_engine_value_error(exc, prompt_param) from None
+
+
+@router.post("/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, request: Request, principal: Principal = Depends(require_api_key)
+):
+    state = server_state(request)
+    target = _target(request, state, body.model, principal)
+    refuse_unsupported(body, state.vocab_size)
+    prompt = chat_prompt(state.tokenizer, body)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = fit_max_tokens(state.max_model_len, len(prompt), requested, param, None, "messages")
+    num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = sampling_params(body, max_tokens, num_logprobs, "messages")
+    request_id, created, texts = new_id("chatcmpl"), now(), TokenTexts(state.tokenizer)
+    _, outputs = _start(request, state, principal, target, prompt, sampling, request_id, "messages")
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        render = ChatStream(request_id, body.model, created, include_usage, num_logprobs, texts)
+        events = sse(request, state.engine, request_id, outputs, render)
+        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    result = await _collect(request, state, request_id, outputs, "messages")
+    logprobs = None
+    if num_logprobs is not None:
+        logprobs = chat_logprobs(result.token_ids, result.logprobs, num_logprobs, texts)
+    choice = ChatChoice(
+        message=ResponseMessage(content=result.text), logprobs=logprobs, finish_reason=result.finish_reason
+    )
+    response = ChatCompletion(
+        id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
+    )
+    return JSONResponse(response.model_dump())
+
+
+@router.post("/completions")
+async def completions(
+    body: CompletionRequest, request: Request, principal: Principal = Depends(require_api_key)
+):
+    state = server_state(request)
+    target = _target(request, state, body.model, principal)
+    refuse_unsupported(body, state.vocab_size)
+    prompt = completion_prompt(state.tokenizer, state.vocab_size, body.prompt)
+    max_tokens = fit_max_tokens(
+        state.max_model_len,
+        len(prompt),
+        body.max_tokens,
+        "max_tokens",
+        COMPLETIONS_DEFAULT_MAX_TOKENS,
+        "prompt",
+    )
+    sampling = sampling_params(body, max_tokens, body.logprobs, "prompt")
+    request_id, created, texts = new_id("cmpl"), now(), TokenTexts(state.tokenizer)
+    _, outputs = _start(request, state, principal, target, prompt, sampling, request_id, "prompt")
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        render = CompletionStream(request_id, body.model, created, include_usage, body.logprobs, texts)
+        events = sse(request, state.engine, request_id, outputs, render)
+        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    result = await _collect(request, state, request_id, outputs, "prompt")
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = completion_logprobs(result.token_ids, result.logprobs, body.logprobs, texts)
+    choice = CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=result.finish_reason)
+    response = Completion(
+        id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
+    )
+    return JSONResponse(response.model_dump())

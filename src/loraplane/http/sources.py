@@ -1,0 +1,133 @@
+"""Where adapter weights come from: ``s3://`` through the host cache, or a local PEFT folder.
+
+Both paths end in a folder the engine may load and the manifest digest that names the version. S3 adapters
+are always signed: the host cache verifies the signature against the trusted keys, the base hash against the
+loaded base and every file's hash while it streams, then every file is hashed once more from the cached
+folder before the engine reads it. Local folders (``loraplane serve --adapter name=DIR``) must be signed when
+trusted keys are configured; without any (local development) an unsigned folder is accepted once its
+shapes fit the base, and the log says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from loraplane.artifacts import errors as E
+from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, WEIGHTS_FILE
+from loraplane.artifacts.verify import Policy, verify_folder
+from loraplane.engine.api import EngineInfo
+from loraplane.http.adapters import LoadSpec
+
+log = logging.getLogger("loraplane.http.adapters")
+DEFAULT_HOST_CACHE_BYTES = 16 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class LocalPull:
+    path: Path
+    digest: str  # "sha256:<hex>" of the signed manifest, or of the weights file for an unsigned folder
+    version: str
+    download_s: float = 0.0
+    verify_s: float = 0.0
+
+
+def policy_for(info: EngineInfo, pinned_digest: str | None = None) -> Policy:
+    base = info.base_hash if len(info.base_hash) == 64 else None  # an in-memory base has no hash to compare
+    modules = frozenset(info.target_modules) or None  # an engine without adapters refuses them itself
+    return Policy(base, pinned_digest, info.max_lora_rank or None, modules)
+
+
+class S3Source:
+    """Pulls through a HostCache under ``<host-cache-dir>/adapters``; blocking (run it in a thread)."""
+
+    def __init__(self, cache, trusted_keys: dict[str, bytes], info_fn) -> None:
+        self.cache, self.trusted_keys, self.info_fn = cache, trusted_keys, info_fn
+
+    @classmethod
+    def create(cls, cache_dir: str | Path, budget_bytes: int | None, trusted_keys, info_fn) -> S3Source:
+        from loraplane.artifacts.cache import HostCache
+
+        cache = HostCache(Path(cache_dir) / "adapters", budget_bytes or DEFAULT_HOST_CACHE_BYTES)
+        return cls(cache, trusted_keys, info_fn)
+
+    def pull(self, spec: LoadSpec) -> LocalPull:
+        policy = policy_for(self.info_fn(), spec.digest)
+        started = time.perf_counter()
+        local = self.cache.pull(
+            spec.uri,
+            trusted_keys=self.trusted_keys,
+            expected_base_hash=policy.expected_base_hash,
+            pinned_digest=spec.digest,
+            max_rank=policy.max_rank,
+            allowed_modules=policy.allowed_modules,
+            acquire=True,
+        )
+        download_s = time.perf_counter() - started
+        try:
+            if local.manifest.name != spec.name or local.manifest.version != spec.version:
+                raise E.ArtifactError(E.BAD_MANIFEST, f"the manifest names {local.manifest.name}@"
+                                      f"{local.manifest.version}, not {spec.name}@{spec.version}", "manifest.name")  # fmt: skip
+            started = time.perf_counter()
+            verify_folder(local.path, trusted_keys=self.trusted_keys, policy=policy)
+            verify_s = time.perf_counter() - started
+        except BaseException:
+            self.cache.release(local.digest)
+            raise
+        return LocalPull(local.path, local.digest, local.manifest.version, download_s, verify_s)
+
+    def release(self, digest: str) -> None:
+        self.cache.release(digest)
+
+    def pin(self, digest: str, pinned: bool) -> None:
+        (self.cache.pin if pinned else self.cache.unpin)(digest)
+
+
+def open_local_folder(folder: Path, trusted_keys: dict[str, bytes] | None, info: EngineInfo) -> LocalPull:
+    """A local adapter folder, verified as far as the configuration demands (see the module doc)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise E.ArtifactError(E.MISSING_FILE, f"{folder} is not a folder", "adapter")
+    started = time.perf_counter()
+    signed = (folder / MANIFEST_FILE).is_file() and (folder / SIGNATURE_FILE).is_file()
+    if trusted_keys:
+        if not signed:
+            raise E.ArtifactError(E.UNSIGNED, "trusted keys are configured, so every adapter must be signed "
+                                  "(loraplane adapter pack, then sign)", str(folder))  # fmt: skip
+        verified = verify_folder(folder, trusted_keys=trusted_keys, policy=policy_for(info))
+        return LocalPull(
+            folder, verified.digest, verified.manifest.version, 0.0, time.perf_counter() - started
+        )
+    check_shapes(folder, info)
+    if signed:
+        version = json.loads((folder / MANIFEST_FILE).read_bytes()).get("version", "local")
+        digest = "sha256:" + hashlib.sha256((folder / MANIFEST_FILE).read_bytes()).hexdigest()
+        log.warning("no trusted keys configured: the signature of %s is not checked", folder)
+    else:
+        version, digest = "local", "sha256:" + _sha256(folder / WEIGHTS_FILE)
+        log.warning(
+            "no trusted keys configured: serving the UNSIGNED adapter %s (shapes checked only)", folder
+        )
+    return LocalPull(folder, digest, str(version), 0.0, time.perf_counter() - started)
+
+
+def check_shapes(folder: Path, info: EngineInfo) -> None:
+    """Modules, ranks and a finite header of an unsigned folder, against what the engine serves."""
+    from loraplane.artifacts.peft import inspect_weights
+
+    weights = inspect_weights(folder / WEIGHTS_FILE, allowed_modules=frozenset(info.target_modules))
+    too_high = {m: r for m, r in weights.ranks.items() if r > info.max_lora_rank}
+    if too_high:
+        raise E.ArtifactError(E.RANK_TOO_HIGH, f"ranks {too_high} exceed {info.max_lora_rank}", WEIGHTS_FILE)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()

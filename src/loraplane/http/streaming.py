@@ -1,0 +1,244 @@
+"""From engine outputs to OpenAI bodies: collect one result, or render SSE chunks; abort on client disconnect.
+
+The engine yields one RequestOutput per token (text is the delta, already cut at stop strings). A watcher
+task waits for the client's ``http.disconnect`` and aborts the request in the engine, so a client that
+leaves, streaming or not, frees its KV blocks at once instead of when its generation would have ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from loraplane.engine.api import OverloadedError
+from loraplane.engine.core.async_engine import AsyncEngine, EngineDeadError
+from loraplane.http.errors import SERVER_ERROR, APIError, engine_stopped, too_many_requests
+from loraplane.http.protocol import (
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatLogprobs,
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from loraplane.http.runs import RequestFailed
+
+if TYPE_CHECKING:  # the HTTP side imports only the engine's public modules at run time
+    from loraplane.engine.core.llm_engine import RequestOutput
+
+log = logging.getLogger("loraplane.http")
+
+
+@contextlib.asynccontextmanager
+async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_id: str):
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        log.info("client left; aborting %s", request_id)
+        engine.abort(request_id)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+def usage_of(out: RequestOutput) -> Usage:
+    total = out.num_prompt_tokens + out.num_output_tokens
+    return Usage(
+        prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens, total_tokens=total
+    )
+
+
+@dataclass(slots=True)
+class Generation:
+    """One finished request, collected."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.new_token_ids
+        self.logprobs += out.logprobs or []
+        self.finish_reason = out.finish_reason
+        self.usage = usage_of(out)
+
+
+async def collect(
+    request: Request, engine: AsyncEngine, request_id: str, outputs: AsyncIterator[RequestOutput]
+) -> Generation:
+    result = Generation()
+    async with abort_on_disconnect(request, engine, request_id):
+        async for out in outputs:
+            result.add(out)
+    return result
+
+
+async def sse(
+    request: Request,
+    engine: AsyncEngine,
+    request_id: str,
+    outputs: AsyncIterator[RequestOutput],
+    render: Callable[[RequestOutput | None], list[str]],
+) -> AsyncIterator[str]:
+    """``data: {json}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` last. render(None) gives the opening chunks."""
+    async with abort_on_disconnect(request, engine, request_id):
+        try:
+            for chunk in render(None):
+                yield f"data: {chunk}\n\n"
+            async for out in outputs:
+                for chunk in render(out):
+                    yield f"data: {chunk}\n\n"
+        except Exception as exc:  # the status line is long gone: report in-band, as OpenAI does
+            yield f"data: {json.dumps(in_band_error(request_id, exc).body().model_dump())}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def in_band_error(request_id: str, exc: Exception) -> APIError:
+    """What a stream that already answered 200 says when its request fails midway."""
+    if isinstance(exc, EngineDeadError):
+        log.error("engine died during %s: %s", request_id, exc)
+        return engine_stopped()
+    if isinstance(exc, OverloadedError):
+        return too_many_requests(f"the server is overloaded: {exc}", exc.retry_after_s, "overloaded")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_request")
+    if isinstance(exc, RequestFailed):
+        log.error("request %s failed: %s", request_id, exc)
+        return APIError(500, f"the request failed: {exc}", type=SERVER_ERROR, code="request_failed")
+    log.exception("request %s failed", request_id)
+    return APIError(500, "internal server error", type=SERVER_ERROR)
+
+
+# --- logprobs -----------------------------------------------------------------------------------------------
+class TokenTexts:
+    """Token id -> its own text and UTF-8 bytes, as logprobs show it (memoized: it runs for every token)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    # The entry holds the sampled token plus the top k; a sampled token outside the top k sorts last.
+    return sorted(entry.items(), key=lambda item: item[1], reverse=True)[:k]
+
+
+def chat_logprobs(
+    token_ids: list[int], entries: list[dict[int, float]], k: int, texts: TokenTexts
+) -> ChatLogprobs:
+    def top(token_id: int, logprob: float) -> TopLogprob:
+        text = texts(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    content = []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        sampled = top(token_id, entry[token_id])
+        content.append(
+            TokenLogprob(**sampled.model_dump(), top_logprobs=[top(t, lp) for t, lp in _top(entry, k)])
+        )
+    return ChatLogprobs(content=content)
+
+
+def completion_logprobs(
+    token_ids: list[int], entries: list[dict[int, float]], k: int, texts: TokenTexts, offset: int = 0
+) -> CompletionLogprobs:
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries, strict=True):
+        text = texts(token_id)
+        tokens.append(text)
+        token_logprobs.append(entry[token_id])
+        top: dict[str, float] = {}
+        for t, lp in _top(entry, k):
+            top.setdefault(texts(t), lp)  # two tokens may share a text (partial UTF-8): keep the likelier
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
+    )
+
+
+# --- stream renderers ---------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class ChatStream:
+    id: str
+    model: str
+    created: int
+    include_usage: bool
+    num_logprobs: int | None  # None: no logprobs
+    texts: TokenTexts
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        return ChatCompletionChunk(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        ).model_dump_json()
+
+    def __call__(self, out: RequestOutput | None) -> list[str]:
+        if out is None:
+            return [self._chunk([ChatChunkChoice(delta={"role": "assistant", "content": ""})])]
+        chunks = []
+        logprobs = None
+        if self.num_logprobs is not None and out.logprobs:
+            logprobs = chat_logprobs(out.new_token_ids, out.logprobs, self.num_logprobs, self.texts)
+        if out.text or logprobs is not None:
+            chunks.append(self._chunk([ChatChunkChoice(delta={"content": out.text}, logprobs=logprobs)]))
+        if out.finished:
+            chunks.append(self._chunk([ChatChunkChoice(delta={}, finish_reason=out.finish_reason)]))
+            if self.include_usage:
+                chunks.append(self._chunk([], usage_of(out)))
+        return chunks
+
+
+@dataclass(slots=True)
+class CompletionStream:
+    id: str
+    model: str
+    created: int
+    include_usage: bool
+    num_logprobs: int | None
+    texts: TokenTexts
+    offset: int = 0  # text_offset of the next token
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        return Completion(
+            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+        ).model_dump_json()
+
+    def __call__(self, out: RequestOutput | None) -> list[str]:
+        if out is None:
+            return []
+        chunks = []
+        logprobs = None
+        if self.num_logprobs is not None and out.logprobs:
+            logprobs = completion_logprobs(
+                out.new_token_ids, out.logprobs, self.num_logprobs, self.texts, self.offset
+            )
+            self.offset += sum(len(t) for t in logprobs.tokens)
+        if out.text or logprobs is not None or out.finished:
+            choice = CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=out.finish_reason)
+            chunks.append(self._chunk([choice]))
+        if out.finished and self.include_usage:
+            chunks.append(self._chunk([], usage_of(out)))
+        return chunks

@@ -1,0 +1,23 @@
+"""Multi-LoRA kernels (Triton) and their plain-torch references. Imports nothing else of loraplane.
+
+Engine API: ``LoRAPool`` (paged adapter weights in a byte budget), ``LoRABatchMeta`` (per-step batch
+metadata in fixed device buffers) and ``lora_apply`` (y += scale * x @ A^T @ B^T per token's adapter).
+"""
+
+from loraplane.kernels.metadata import LoRABatchMeta
+from loraplane.kernels.ops import lora_apply, lora_apply_many, lora_expand, lora_shrink
+from loraplane.kernels.pool import RANK_LIMIT, LoRAPool, ModuleSpec, PoolFullError, lora_scale, rank_error
+
+__all__ = [
+    "RANK_LIMIT",
+    "LoRABatchMeta",
+    "LoRAPool",
+    "ModuleSpec",
+    "PoolFullError",
+    "lora_apply",
+    "lora_apply_many",
+    "lora_expand",
+    "lora_scale",
+    "lora_shrink",
+    "rank_error",
+]

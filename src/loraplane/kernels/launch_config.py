@@ -1,0 +1,159 @@
+"""Launch heuristics for the Triton shrink and expand kernels (triton_ops.py): tile sizes and grid bounds.
+
+Plain Python over the batch metadata; nothing here launches or compiles a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from loraplane.kernels.metadata import LoRABatchMeta
+
+__all__ = ["LaunchConfig", "align_hint", "pick_config", "slice_geometry"]
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    """Tile sizes and grid bounds; ``pick_config`` derives one per (meta, module, call).
+
+    ``block_r``: rank rows per chunk in expand (ranks above it loop, re-touching y); ``shrink_block_r``:
+    the same in shrink (all slices side by side). ``n_chunk``: columns of one slice that one expand
+    program covers (a slice whose width it does not divide gets a shorter, masked last chunk). ``fused``: expand computes v itself (no shrink launch; A is re-read once per
+    column chunk, so only for tiny batches).
+    """
+
+    block_r: int = 16
+    shrink_block_r: int = 16
+    block_k: int = 128
+    block_n: int = 128
+    n_chunk: int = 1024
+    split_k: int = 1
+    fused: bool = False
+    shrink_programs: int = 1024  # upper bound on grid dim 0 x split for shrink
+    expand_programs: int = 16384  # upper bound on grid dim 0 x dim 1 for expand
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_r", "shrink_block_r", "block_k", "block_n", "n_chunk", "split_k"):
+            v = getattr(self, name)
+            if v <= 0 or v & (v - 1):
+                raise ValueError(f"LaunchConfig.{name} must be a power of two, got {v}")
+        if min(self.block_r, self.shrink_block_r, self.block_n, self.block_k) < 16:
+            raise ValueError("LaunchConfig block sizes must be >= 16 (tl.dot's minimum)")
+        if self.n_chunk < self.block_n:
+            raise ValueError(f"LaunchConfig.n_chunk ({self.n_chunk}) must be >= block_n ({self.block_n})")
+
+
+def pow2_at_least(n: int, lo: int) -> int:
+    p = lo
+    while p < n:
+        p *= 2
+    return p
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def pick_config(
+    meta: LoRABatchMeta, in_dim: int, out_dims: tuple[int, ...], dtype: torch.dtype
+) -> LaunchConfig:
+    """Heuristic launch shape (tuned on an H200: bench/NOTES-kernels.md). Under ``meta.capture`` it
+    depends on the buffers' capacity only, so a captured graph stays valid for any batch that fits.
+    Every kernel also keeps a 16-row copy of its loops for tiles of rank <= 16."""
+    sms = _num_sms(meta.device)
+    tiles_bound = meta.capacity if meta.capture else max(1, meta.host_num_tiles)
+    slices_p2 = pow2_at_least(len(out_dims), 1)
+    prefill = meta.tile_m >= 64
+    # Under capture only the buffers' rank bound is known (rank 128 takes two 64-row passes).
+    top = meta.max_rank if meta.capture else meta.host_max_rank
+    block_r = min(64, pow2_at_least(top, 16))
+    shrink_block_r = max(16, min(block_r, 256 // slices_p2))
+    j = shrink_block_r * slices_p2  # width of shrink's A tile; keep its pipelined stages in shared memory
+    block_k = (128 if j <= 128 else 64) if not prefill else (64 if j <= 64 else 32)
+    if prefill:
+        split = 2  # run 2 sweep: 10-20% over split 1 at T=8192
+    else:
+        # Split K so each program reads ~256 (tiny batches) to ~1024 columns of A; planes summed by expand.
+        k_per = 256 if tiles_bound <= 16 else 1024
+        split = 1
+        while split < 16 and in_dim // (split * 2) >= max(k_per, block_k):
+            split *= 2
+    gcd = 0
+    for w in out_dims:
+        gcd = w if gcd == 0 else _gcd(gcd, w)
+    total = sum(out_dims)
+    cap_n = 128 if prefill else 64
+    if gcd & -gcd >= 16:
+        # Every width a multiple of 16: column tiles and chunks divide every slice (no masks).
+        block_n = min(cap_n, gcd & -gcd)
+        # Column chunks: ~2 programs per SM, chunk a power-of-two multiple of block_n dividing every slice,
+        # at most 2048 columns (v is reused over up to 32 column tiles).
+        n_chunk = block_n
+        while (
+            n_chunk * 2 <= 2048
+            and gcd % (n_chunk * 2) == 0
+            and tiles_bound * (total // (n_chunk * 2)) >= 2 * sms
+        ):
+            n_chunk *= 2
+    else:
+        # Ragged widths (e.g. 107, 2049 from tensor-parallel shards): the last column tile of a slice is
+        # masked, and chunks stop at the slice's end; same ~2 programs per SM rule.
+        widest = pow2_at_least(max(out_dims), 16)
+        block_n = min(cap_n, widest)
+        n_chunk = block_n
+        while (
+            n_chunk * 2 <= min(2048, widest)
+            and tiles_bound * sum(-(-w // (n_chunk * 2)) for w in out_dims) >= 2 * sms
+        ):
+            n_chunk *= 2
+    return LaunchConfig(
+        block_r=block_r, shrink_block_r=shrink_block_r, block_k=block_k, block_n=block_n, n_chunk=n_chunk,
+        split_k=split, fused=False, num_stages=3,
+    )  # fmt: skip
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def slice_geometry(out_dims: tuple[int, ...], slice_starts: tuple[int, ...], n_chunk: int,
+                   packed_starts: tuple[int, ...] | None = None):  # fmt: skip
+    """Compile-time slice table of the expand kernel: (number of column chunks, constexpr kwargs).
+
+    Slice s owns ceil(width_s / n_chunk) chunks; packed B^T columns start at P_s = sum of earlier widths
+    (or ``packed_starts[s]``: 0 for slices kept in pools of their own), y columns at slice_starts[s].
+    RAGGED is set when some width is not a multiple of n_chunk (masked column tiles); unused entries
+    repeat slice 0 so they fold away."""
+    geo, begin, packed = {}, 0, 0
+    for i, (w, y0) in enumerate(zip(out_dims, slice_starts, strict=True)):
+        if packed_starts is not None:
+            packed = packed_starts[i]
+        if i:
+            geo[f"CB{i}"] = begin
+        geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = packed - begin * n_chunk, packed + w, y0 - packed
+        begin += -(-w // n_chunk)
+        packed += w
+    for i in range(len(out_dims), 4):
+        geo[f"CB{i}"] = begin
+        geo[f"OFF{i}"], geo[f"END{i}"], geo[f"DY{i}"] = geo["OFF0"], geo["END0"], geo["DY0"]
+    geo["RAGGED"] = any(w % n_chunk for w in out_dims)
+    return begin, geo
+
+
+def align_hint(stride: int) -> int:
+    """Power of two (at most 8) that a row stride is a multiple of, for the kernels' ``_aligned``; 1 (no
+    hint) when Triton already knows it (multiples of 16) or nothing helps, so aligned modules compile
+    exactly as before."""
+    if stride % 16 == 0:
+        return 1
+    return min(8, stride & -stride) if stride else 1

@@ -1,0 +1,1 @@
+"""The kopf operator for LoRABase and LoRAAdapter. Reaches server pods only over HTTP."""

@@ -1,0 +1,101 @@
+"""What every handler shares: clients, tunables, wake-up events, and the caches of src/loraplane/operator/caches.py.
+
+Nothing here is a source of truth: state lives in the API (specs, status) and in the pods
+(GET /admin/adapters); the caches only save work and are rebuilt after a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from loraplane.operator.admin_client import AdminClient
+from loraplane.operator.builders import ADMIN_PORT
+from loraplane.operator.caches import Backoff, Fingerprints, Memo, SharedResults, Snapshots, StatusEcho
+from loraplane.operator.kube import Kube
+from loraplane.operator.policy import OperatorPolicy
+
+DEFAULT_DRIFT_INTERVAL = 30.0
+
+
+@dataclass(slots=True)
+class Tunables:
+    drift_interval: float = (
+        DEFAULT_DRIFT_INTERVAL  # seconds between drift checks of a converged adapter or base
+    )
+    poll_interval: float = 2.0  # while a pod is still pulling or warming
+    retry_delay: float = 5.0  # first retry after a failure; doubles per failure
+    max_retry_delay: float = 300.0
+    admin_port: int = ADMIN_PORT  # used when a pod declares no port named "admin"
+    admin_connect_timeout: float = 2.0
+    admin_read_timeout: float = 60.0
+    s3_attempts: int = 3
+    pod_concurrency: int = 64  # admin calls in flight, operator-wide
+
+    def __post_init__(self):
+        for name in ("drift_interval", "poll_interval", "retry_delay", "max_retry_delay"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"Tunables.{name} must be > 0")
+        if self.pod_concurrency < 1 or self.s3_attempts < 1:
+            raise ValueError("Tunables.pod_concurrency and s3_attempts must be >= 1")
+
+
+@dataclass(slots=True)
+class Context:
+    kube: Kube
+    tunables: Tunables = field(default_factory=Tunables)
+    admin: AdminClient | None = None
+    policy: OperatorPolicy = field(default_factory=OperatorPolicy)  # what a LoRABase may ask for
+    validations: SharedResults = field(default_factory=SharedResults)  # key -> VerifiedManifest
+    s3_clients: Memo = field(default_factory=Memo)  # (endpoint, region, credentials hash) -> boto3 client
+    snapshots: Snapshots = field(default_factory=Snapshots)  # PodAddress -> its adapter listing
+    fingerprints: Fingerprints = field(default_factory=Fingerprints)  # base key -> what adapters care about
+    echo: StatusEcho = field(default_factory=StatusEcho)  # API path -> our last status patch's answer
+    failures: Backoff = field(default_factory=Backoff)  # (uid, generation) or (key, "error") -> failures
+    _events: dict = field(default_factory=dict)
+    _limit: asyncio.Semaphore | None = None
+
+    def start(self) -> None:
+        self.admin = AdminClient(
+            connect_timeout=self.tunables.admin_connect_timeout,
+            read_timeout=self.tunables.admin_read_timeout,
+        )
+        self._limit = asyncio.Semaphore(self.tunables.pod_concurrency)
+        self._events.clear()
+
+    async def stop(self) -> None:
+        if self.admin is not None:
+            await self.admin.aclose()
+
+    @property
+    def limit(self) -> asyncio.Semaphore:
+        assert self._limit is not None, "Context.start() runs at operator startup"
+        return self._limit
+
+    def backoff(self, key: tuple, failed: bool) -> float:
+        """The delay before the next attempt: exponential while failing, reset by a success."""
+        t = self.tunables
+        return self.failures.delay(key, failed, steady=t.drift_interval, first=t.retry_delay,
+                                   longest=t.max_retry_delay)  # fmt: skip
+
+    # --- wake-ups: a daemon sleeps until its timeout or until an event concerns it -----------------
+    def wake(self, key: tuple) -> None:
+        self._events.setdefault(key, asyncio.Event()).set()
+
+    async def sleep(self, key: tuple, timeout: float, stopped) -> None:
+        event = self._events.setdefault(key, asyncio.Event())
+        if event.is_set():
+            event.clear()
+            return
+        woken = asyncio.ensure_future(event.wait())
+        halted = asyncio.ensure_future(stopped.wait())
+        try:
+            await asyncio.wait({woken, halted}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            halted.cancel()
+            event.clear()
+
+    def forget(self, key: tuple, path: str = "") -> None:
+        self._events.pop(key, None)
+        self.echo.forget(path)

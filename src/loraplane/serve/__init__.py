@@ -1,0 +1,1 @@
+"""The server pod's process: ``loraplane serve`` and ``loraplane demo`` wire the engine to the HTTP apps."""
