@@ -28,13 +28,10 @@ from typing import Any
 
 from loraplane.engine.api import MEMORY_USES, AdapterError, AdapterInfo, EngineInfo, StepStats, adapter_key
 from loraplane.engine.core.config import EngineConfig
-from loraplane.engine.core.llm_engine import LLMEngine, RequestError, RequestOutput
+from loraplane.engine.core.errors import EngineDeadError, RequestError
+from loraplane.engine.core.llm_engine import LLMEngine, RequestOutput
 from loraplane.engine.core.sequence import SamplingParams
 from loraplane.engine.model.detokenizer import TokenizerLike
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (it failed, or the engine was closed); no more outputs will come."""
 
 
 @dataclass(slots=True)

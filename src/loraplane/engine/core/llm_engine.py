@@ -15,6 +15,7 @@ from typing import Any
 from loraplane.engine.api import AdapterError
 from loraplane.engine.core.block_manager import BlockManager
 from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.errors import EngineFault, is_device_fault
 from loraplane.engine.core.scheduler import ScheduledBatch, Scheduler
 from loraplane.engine.core.sequence import SamplingParams, Sequence, validate_prompt
 from loraplane.engine.model.detokenizer import IncrementalDetokenizer, TokenizerLike
@@ -23,29 +24,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # A step in which every request failed hints at a broken engine rather than bad requests; this many in a row
 # stop the engine (its liveness then fails and the pod restarts).
 MAX_ALL_FAILED_STEPS = 3
-_DEVICE_FAULT_TYPES = {"AcceleratorError", "CudaError", "OutOfMemoryError", "DeferredCudaCallError"}
-_DEVICE_FAULT_TEXT = ("CUDA error", "CUDA out of memory", "device-side assert", "CUBLAS_STATUS", "cuDNN")
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(RuntimeError):
-    """One request failed inside an engine step; the engine went on with the others."""
-
-    def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(f"request {request_id!r} failed in the engine: {message}")
-        self.request_id = request_id
-
-
-class EngineFault(RuntimeError):
-    """A failure of the engine itself (a broken invariant), never blamed on a request: it stops the engine."""
-
-
-def is_device_fault(error: BaseException) -> bool:
-    """A fault of the accelerator itself (its context is no longer trustworthy): it stops the engine."""
-    if any(cls.__name__ in _DEVICE_FAULT_TYPES for cls in type(error).__mro__):
-        return True
-    return any(text in str(error) for text in _DEVICE_FAULT_TEXT)
 
 
 @dataclass(slots=True)
