@@ -102,6 +102,9 @@ class GpuTier:
             del self._pending[key]
         return True
 
+    def copies_in_flight(self) -> bool:
+        return bool(self._pending)
+
     def touch(self, key: str) -> None:
         self.slots.move_to_end(key)
 
