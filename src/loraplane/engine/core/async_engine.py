@@ -202,14 +202,16 @@ class AsyncEngine:
                                  load_s=time.perf_counter() - start)  # fmt: skip
         return lora.register(name, version, Path(folder), digest, None, pin=pin)
 
-    async def warm_adapter(self, name: str, version: str, *, gpu: bool = True) -> AdapterInfo:
-        """Make it GPU-resident and run one real forward through it (finite logits, else WarmFailed)."""
+    async def warm_adapter(self, name: str, version: str, *, gpu: bool = True,
+                           only_if_room: bool = False) -> AdapterInfo:  # fmt: skip
+        """Make it GPU-resident and run one real forward through it (finite logits, else WarmFailed).
+        ``only_if_room``: skip it (it stays on its tier, loaded on demand) unless the pools have free room."""
         lora, key = self._lora("adapter"), adapter_key(name, version)
         lora.get(key)
 
         def warm() -> AdapterInfo:
             v = lora.get(key)
-            if gpu:
+            if gpu and not (only_if_room and not lora.has_room_for(key)):
                 try:
                     v.timings["warm"] = self.engine.runner.warm_adapter(key)
                 except AdapterError as error:

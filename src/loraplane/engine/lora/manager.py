@@ -167,6 +167,12 @@ class AdapterManager:
             if v is not None:
                 v.in_flight += delta
 
+    def has_room_for(self, key: str) -> bool:
+        """Resident already, or its host weights fit the GPU pools without evicting anything."""
+        with self.lock:
+            weights = self.host.get(key)
+            return self.gpu.done(key) or (weights is not None and self.gpu.fits(weights))
+
     def tier_of(self, key: str) -> str | None:
         with self.lock:
             if key not in self.versions:

@@ -174,18 +174,18 @@ def load_adapter_weights(
     except OSError as exc:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
     timings["read"] = (t1 := time.perf_counter()) - t0
+    try:
+        tensors = parse(buf)  # views only: a truncated or malformed file is named before it is hashed
+    except SafetensorsFormatError as exc:
+        raise AdapterError(
+            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
+        ) from None
     digest = "sha256:" + hashlib.sha256(buf).hexdigest()  # releases the GIL over the buffer
     timings["hash"] = (t2 := time.perf_counter()) - t1
     if sha256 is not None and digest != sha256:
         raise AdapterError(
             "ChecksumMismatch", f"{WEIGHTS_FILE}: hashes to {digest}, not the {sha256} it was loaded with"
         )
-    try:
-        tensors = parse(buf)
-    except SafetensorsFormatError as exc:
-        raise AdapterError(
-            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
-        ) from None
     factors = _factors(tensors, config, cfg, max_rank)
     out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, pin)
     _check_finite(out, factors)
