@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from loraplane.operator import conditions as C
-from loraplane.operator import metrics
+from loraplane.operator import metrics, routing
 from loraplane.operator import rollout as R
 from loraplane.operator.adapter_verdict import (
     Verdict,
@@ -200,6 +200,7 @@ async def run_pass(
     rank = max(verified.manifest.ranks.values(), default=0)
     verdict.fields.update(validatedDigest=verified.digest, rank=rank, desiredPods=base_spec.replicas)
     verdict.set(C.VALIDATED, C.TRUE, C.VALID, f"signed by {verified.key_id}, {verified.digest}, rank {rank}")
+    await name_in_pool(ctx, adapter, spec.base)
     if not pods:
         state, reason = (C.FALSE, C.BASE_NOT_READY) if base_spec.replicas else (C.TRUE, C.ALL_PODS_SERVING)
         for type_ in (C.CACHED, C.WARMED, C.READY):
@@ -222,6 +223,12 @@ async def run_pass(
     views = [R.PodView(v.address, v.loaded, errors.get(v.name) or v.error) for v in views]
     summarize(verdict, views, target, base_spec.replicas, errors, pending)
     return verdict, views
+
+
+async def name_in_pool(ctx: Context, adapter: dict, base_name: str) -> None:
+    """A validated adapter's model name in its base's InferencePool, where the API serves that kind."""
+    if ctx.routing and await ctx.kube.serves(routing.REWRITE_VERSION, routing.REWRITE_PLURAL):
+        await ctx.kube.apply(routing.build_model_rewrite(adapter, base_name), adopt=False)
 
 
 async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[PodAddress]) -> float:
