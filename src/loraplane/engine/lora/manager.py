@@ -1,4 +1,5 @@
-"""The engine's adapter registry: versions, aliases, tiers, and the scheduler's ``AdapterResidency``.
+"""``AdapterTiers``: the engine's adapter versions, their aliases, where their weights are (GPU, host, disk),
+and the scheduler's ``AdapterResidency``.
 
 A version is ``name@version``; its identity is the manifest digest. ``register`` puts a parsed, validated
 version in the host tier; the scheduler then ``request``s it toward the GPU (disk -> host parses on a
@@ -44,7 +45,7 @@ class _Version:
     error_reason: str | None = None
 
 
-class AdapterManager:
+class AdapterTiers:
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
                  host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
                  graph_batch_size: int = 0, gpu_tier: GpuTier | None = None) -> None:  # fmt: skip
