@@ -150,13 +150,13 @@ class AsyncEngine:
 
             targets = TARGET_MODULES
         return EngineInfo(
-            base_hash=getattr(runner, "base_hash", "in-memory"),
+            base_hash=runner.base_hash,
             max_model_len=self.engine.max_model_len,
-            vocab_size=getattr(runner, "vocab_size", 0),
+            vocab_size=runner.vocab_size,
             max_lora_rank=self.engine.config.max_lora_rank if lora is not None else 0,
             target_modules=targets,
-            device=str(getattr(runner, "device", "cpu")),
-            dtype=str(getattr(runner, "dtype", "float32")).removeprefix("torch."),
+            device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
         )
 
     def adapters(self) -> list[AdapterInfo]:
@@ -177,7 +177,7 @@ class AsyncEngine:
         """Parse and validate a verified PEFT folder into the host tier (AdapterError on refusal).
         Idempotent per name@version and digest; another digest under the same name@version is a conflict."""
         lora = self._lora("adapter")
-        base = getattr(self.engine.runner, "base_hash", "in-memory")
+        base = self.engine.runner.base_hash
         if expected_base_hash is not None and expected_base_hash != base:
             raise AdapterError(
                 "BaseMismatch",
@@ -230,7 +230,7 @@ class AsyncEngine:
         self._step_listeners.append(fn)
 
     def _lora(self, need: str | None):
-        lora = getattr(self.engine.runner, "lora", None)
+        lora = self.engine.runner.lora
         if lora is None and need is not None:
             raise AdapterError(
                 "UnsupportedAdapter", f"{need}: this engine serves no adapters (EngineConfig.enable_lora)"

@@ -57,9 +57,7 @@ class AdapterTiers:
         self.aliases: dict[str, str] = {}  # name -> serving version
         self.host = HostTier(host_bytes)
         self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
-        if hasattr(self.gpu, "reclaim"):  # unified memory: KV may evict what nothing needs, under the lock
-            self.gpu.evictable = self._gpu_evictable
-            self.gpu.memory.adapter_reclaimer = self._reclaim_for_kv
+        self.gpu.share_with_kv(self._gpu_evictable, self._reclaim_for_kv)  # unified memory: KV may evict
         self.wanted: set[str] = set()  # requested toward the GPU and not there yet
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
