@@ -183,10 +183,7 @@ class AsyncEngine:
                 "BaseMismatch",
                 f"{name}@{version}: built for base {expected_base_hash}, this engine serves {base}",
             )
-        key = adapter_key(name, version)
-        with lora.lock:
-            old = lora.versions.get(key)
-        if old is None:
+        if not lora.is_registered(adapter_key(name, version)):
             start = time.perf_counter()
             weights = await asyncio.to_thread(lora.parse, Path(folder))
             return lora.register(name, version, Path(folder), digest, weights, pin=pin,
@@ -199,14 +196,9 @@ class AsyncEngine:
         lora.get(key)
 
         def warm() -> AdapterInfo:
-            v = lora.get(key)
             if gpu:
-                try:
-                    v.timings["warm"] = self.engine.runner.warm_adapter(key)
-                except AdapterError as error:
-                    v.state, v.error = "failed", f"{error.reason}: {error}"
-                    raise
-                v.state, v.error = "warm", None
+                return self.engine.warm_adapter(key)
+            lora.get(key)  # AdapterNotFound once it is unloading
             return lora.info(key)
 
         return await self._on_engine_thread(warm)
@@ -230,7 +222,7 @@ class AsyncEngine:
         self._step_listeners.append(fn)
 
     def _lora(self, need: str | None):
-        lora = self.engine.runner.lora
+        lora = self.engine.adapters
         if lora is None and need is not None:
             raise AdapterError(
                 "UnsupportedAdapter", f"{need}: this engine serves no adapters (EngineConfig.enable_lora)"

@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loraplane.engine.api import AdapterError
+from loraplane.engine.api import AdapterError, AdapterInfo
 from loraplane.engine.core.block_manager import BlockManager
 from loraplane.engine.core.config import EngineConfig
 from loraplane.engine.core.errors import EngineFault, is_device_fault
@@ -25,6 +25,9 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # A step in which every request failed hints at a broken engine rather than bad requests; this many in a row
 # stop the engine (its liveness then fails and the pod restarts).
 MAX_ALL_FAILED_STEPS = 3
+
+if TYPE_CHECKING:
+    from loraplane.engine.lora.manager import AdapterTiers
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +164,27 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # --- adapters ---------------------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> AdapterTiers | None:
+        """The adapters' versions, aliases and tiers (load, alias, pin, views); None without adapters."""
+        return self.runner.lora
+
+    def warm_adapter(self, key: str) -> AdapterInfo:
+        """Make ``key`` resident and run one real forward through it (the engine thread: it uses the device).
+        AdapterError('WarmFailed') when the logits are not finite; the version is then marked failed."""
+        tiers = self.adapters
+        if tiers is None:
+            raise AdapterError("UnsupportedAdapter", "adapter: this engine serves no adapters")
+        tiers.get(key)  # AdapterNotFound once it is unloading
+        try:
+            seconds = self.runner.warm_adapter(key)
+        except AdapterError as error:
+            tiers.mark_failed(key, error)
+            raise
+        tiers.mark_warm(key, seconds)
+        return tiers.info(key)
 
     @property
     def num_preemptions(self) -> int:

@@ -144,6 +144,24 @@ class AdapterTiers:
             if v is not None:
                 v.in_flight += delta
 
+    def is_registered(self, key: str) -> bool:
+        """Whether ``key`` is registered, in any state (unloading included)."""
+        with self.lock:
+            return key in self.versions
+
+    def mark_warm(self, key: str, seconds: float) -> None:
+        """A real forward ran through ``key``, in ``seconds``."""
+        with self.lock:
+            v = self.versions[key]
+            v.timings["warm"] = seconds
+            v.state, v.error = "warm", None
+
+    def mark_failed(self, key: str, error: AdapterError) -> None:
+        """``key`` can never serve (its warm-up forward failed): its requests fail, ``info`` shows why."""
+        with self.lock:
+            v = self.versions[key]
+            v.state, v.error = "failed", f"{error.reason}: {error}"
+
     def tier_of(self, key: str) -> str | None:
         with self.lock:
             if key not in self.versions:
