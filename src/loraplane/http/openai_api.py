@@ -72,7 +72,7 @@ def _start(request: Request, state: ServerState, principal: Principal, target: T
            sampling, request_id: str, prompt_param: str):  # fmt: skip
     """Admit under the key's limits and submit; (run, outputs). Refusals come back as HTTP errors."""
     try:
-        ticket = state.limits.admit(principal, len(prompt))
+        ticket = state.limits.admit(principal, len(prompt), sampling.max_tokens)
     except LimitExceeded as exc:
         state.metrics.rejected.labels("key_limit").inc()
         raise too_many_requests(exc.message, exc.retry_after_s, "rate_limit_exceeded") from None

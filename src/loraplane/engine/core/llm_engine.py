@@ -26,6 +26,8 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # stop the engine (its liveness then fails and the pod restarts).
 MAX_ALL_FAILED_STEPS = 3
 
+IDLE_WAIT_S = 0.05  # the longest a stalled loop blocks between looks (time-based limits are this coarse)
+
 if TYPE_CHECKING:
     from loraplane.engine.lora.manager import AdapterTiers
 
@@ -104,6 +106,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborted or failed: reported by the next step()
         self._all_failed_steps = 0  # consecutive steps in which every request failed
         self._request_ids = itertools.count()
+        self.stalled = False  # the last step ran nothing and reported nothing: every request waits
 
     # --- requests -----------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -209,7 +212,19 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         sampled = self._execute(batch)  # a request that makes the step fail is failed alone
         self.scheduler.commit(batch)
-        return self._postprocess(batch, sampled)
+        outputs = self._postprocess(batch, sampled)
+        self.stalled = not batch.chunks and not outputs
+        return outputs
+
+    def idle_wait_s(self) -> float | None:
+        """None when the last step did work; else how long the caller may block before stepping again
+        (every unfinished request waits for an adapter: a finished load, a new request, an abort or a
+        command ends the wait early; the bound lets time-based limits such as adapter_load_timeout_s and
+        copies landing on the device be noticed)."""
+        if not self.stalled:
+            return None
+        tiers = self.adapters
+        return tiers.idle_wait_s() if tiers is not None else IDLE_WAIT_S
 
     def _execute(self, batch: ScheduledBatch) -> list:
         if not batch.chunks:
