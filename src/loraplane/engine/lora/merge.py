@@ -135,19 +135,19 @@ class AdapterMerger:
         self.active = None
 
     def _write(self, slots: dict[str, int]) -> None:
-        """W'[cols of m] = W + scale · B_m @ A_m for each PEFT module m the adapter has, in fp32, rounded once."""
+        """W'[cols of m] = W + scale · B_m @ A_m for each PEFT module m the adapter has, other columns = W.
+        One GEMM per module writes W' straight from W (``addmm``: W read once, the sum accumulated in fp32
+        and rounded once), so a merge moves about one read of W and one write of W' per targeted module."""
         pools = self.state.pools
         rows = {m: pools[m].rows_of(s) for m, s in slots.items()}  # [r_m] physical rank-rows, every layer
         for i, layer in enumerate(self.model.model.layers):
             for parent_name, proj in PROJECTIONS:
                 lin = getattr(getattr(layer, parent_name), proj)
                 w, w_merged = lin.base_layer.weight, self.weights[(i, proj)]  # [out, in]
-                w_merged.copy_(w)
                 for m, c0, c1 in lin.slices:
                     if m not in slots:
+                        w_merged[c0:c1].copy_(w[c0:c1])
                         continue
-                    a = pools[m].a[(i, m)][0, rows[m]].float()  # [r, in]
-                    bt = pools[m].bt[(i, m)][rows[m]].float()  # [r, out]
-                    scale = pools[m].scale_of(slots[m])
-                    merged = torch.addmm(w[c0:c1].float(), bt.t(), a, alpha=scale)  # [out, in]
-                    w_merged[c0:c1].copy_(merged)
+                    a = pools[m].a[(i, m)][0, rows[m]]  # [r, in]
+                    bt = pools[m].bt[(i, m)][rows[m]]  # [r, out]
+                    torch.addmm(w[c0:c1], bt.t(), a, alpha=pools[m].scale_of(slots[m]), out=w_merged[c0:c1])
