@@ -13,6 +13,7 @@ measured in this run; ``target_ms`` is what the targets allow.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
@@ -25,9 +26,11 @@ from loraplane.engine.core.config import EngineConfig
 from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk
 from loraplane.engine.core.sequence import SamplingParams, Sequence
 from loraplane.engine.lora.weights import TARGET_MODULES, module_shapes
+from loraplane.engine.model.cuda_graphs import DecodeGraphs
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.engine.model.runner import ModelRunner
 from loraplane.engine.model.weights import random_model
+from loraplane.kernels.launch_config import capture_policy, set_capture_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: shared shapes and helpers
 from lora.main import CTX, QV, B, decode_batch, sync, timer  # noqa: E402
@@ -93,6 +96,43 @@ def lora_bytes(runner: ModelRunner, adapters) -> int:
     return sum(runner.lora.gpu.bytes_of[k] for k in keys)
 
 
+SWEEP = (  # CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default
+    {}, {"n_chunk": 128}, {"n_chunk": 256}, {"n_chunk": 512}, {"tile_programs": 16},
+    {"k_per_program": 256}, {"n_chunk": 256, "tile_programs": 16}, {"n_chunk": 256, "k_per_program": 256},
+    {"n_chunk": 128, "tile_programs": 16, "k_per_program": 256},
+    {"n_chunk": 512, "tile_programs": 8, "k_per_program": 256},
+)  # fmt: skip
+
+
+def recapture(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
+    """The LoRA graph family captured again (under the current capture policy) for ``sizes``."""
+    runner.graphs = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    runner.lora_state.metas = runner.lora.graph_metas()
+    try:
+        runner.graphs = DecodeGraphs(runner.model, sizes, runner.max_blocks_per_seq, runner.device)
+    finally:
+        runner.lora_state.metas = dict.fromkeys(runner.lora_state.pools)
+
+
+def sweep_policies(runner: ModelRunner, cases: dict, median_ms, base_decode) -> tuple[list[dict], dict]:
+    """Each policy of SWEEP on the B=64 graph: step ms per case; returns the rows and the fastest policy."""
+    rows, best = [], (float("inf"), {})
+    for policy in SWEEP:
+        set_capture_policy(**policy)
+        recapture(runner, (B,))
+        base_ms = base_decode()
+        times = {
+            name: measure(runner, decode_batch(runner, ads), median_ms, False) for name, ads in cases.items()
+        }
+        rows.append({"case": f"sweep {policy or 'default'}", "section": "sweep", "base_step_ms": base_ms,
+                     **{f"{k}_ms": v for k, v in times.items()}, "sum_x_base": sum(times.values()) / base_ms})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+        best = min(best, (rows[-1]["sum_x_base"], policy), key=lambda b: b[0])
+    return rows, best[1]
+
+
 def row(
     case: str, step_ms: float, base_ms: float, nbytes: int, bw: float, target: float | None, **extra
 ) -> dict:
@@ -107,6 +147,9 @@ def row(
 def run(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="bench lora_decode")
     parser.add_argument("--quick", action="store_true", help="tiny model on the CPU: checks the script only")
+    parser.add_argument(
+        "--sweep", action="store_true", help="try SWEEP's capture policies first, keep the fastest"
+    )
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.quick else "cuda")
     dtype = torch.float32 if args.quick else torch.bfloat16
@@ -170,10 +213,19 @@ def run(argv: list[str]) -> dict:
                         merged_steps=merged_steps))  # fmt: skip
 
     one = ["d0@v1"] * B
+    d64 = [f"d{i}@v1" for i in range(B)]
+    mixed = [None if i % 2 == 0 else f"m{i // 2}@v1" for i in range(B)]
+    if args.sweep and device.type == "cuda":
+        sweep_rows, best = sweep_policies(
+            runner, {"one": one, "d64": d64, "mixed": mixed}, median_ms, base_decode
+        )
+        rows += sweep_rows
+        set_capture_policy(**best)
+        recapture(runner, tuple(s for s in lora_cfg.cuda_graph_batch_sizes if s <= B))
     decode("base-only rows, LoRA engine", [None] * B, 1.02)
     decode("1 adapter r16 all modules, merged", one, 1.05, merge=True)
     decode("1 adapter r16 all modules, unmerged", one, 1.05)
-    decode("64 distinct r16 all modules", [f"d{i}@v1" for i in range(B)])
+    decode("64 distinct r16 all modules", d64)
     decode("64 distinct q,v-only r8", [f"qv{i}@v1" for i in range(B)], 1.05)
     decode(
         "mixed: 32 base-only rows, 32 adapters r8-64",
@@ -218,6 +270,10 @@ def run(argv: list[str]) -> dict:
             "target_ms",
             "meets",
             "merged_steps",
+            "one_ms",
+            "d64_ms",
+            "mixed_ms",
+            "sum_x_base",
         ],  # fmt: skip
         "rows": rows,
         "meta": {
@@ -226,6 +282,7 @@ def run(argv: list[str]) -> dict:
             "copy bandwidth GB/s (1 GiB device copy, read + write)": round(bw / 1e9),
             "merged weights bytes (one copy of every projection)": runner.merger.bytes,
             "LoRA runner init s (profile + pools + KV + 3 graph families)": round(init_s, 1),
+            "capture policy of the LoRA graphs": str(capture_policy()),
             "base decode step over the run, ms (min, max)": (
                 round(min(base_samples), 3),
                 round(max(base_samples), 3),
@@ -239,6 +296,8 @@ def run(argv: list[str]) -> dict:
             "floor_ms = base_step_ms + lora_bytes / copy bandwidth (each distinct adapter's pool bytes read once).",
             "target_ms: 1 adapter and q,v-only r8 <= 1.05x base; distinct and mixed: base + 1.3 x bytes/bandwidth "
             "+ 0.2 ms; prefill <= 1.10x base; base-only rows <= 1.02x base.",
+            "sweep rows (--sweep): the LoRA graphs captured under each CapturePolicy, B=64 step ms of 1 adapter "
+            "(one), 64 distinct r16 (d64) and the mixed batch; the rows after them use the fastest policy.",
             "merged: the adapter's delta inside a copy of the projection weights, so the step runs the base "
             "kernels on them (engine/lora/merge.py); unmerged: the multi-LoRA kernels.",
         ],
