@@ -97,8 +97,8 @@ def lora_bytes(runner: ModelRunner, adapters) -> int:
 
 
 SWEEP = (  # CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default
-    {}, {"n_chunk": 128}, {"n_chunk": 256}, {"tile_programs": 16}, {"k_per_program": 256},
-    {"n_chunk": 256, "tile_programs": 16, "k_per_program": 256},
+    {}, {"n_chunk": 128}, {"n_chunk": 256}, {"n_chunk": 128, "tile_programs": 16},
+    {"n_chunk": 64, "tile_programs": 16}, {"n_chunk": 128, "tile_programs": 16, "k_per_program": 256},
 )  # fmt: skip
 
 
