@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loraplane.engine.api import AdapterError
 from loraplane.engine.lora.layers import PROJECTIONS, LoRALinear, LoRAStepState
 
 
@@ -110,7 +111,10 @@ class AdapterMerger:
             (top, run) if top is not None and top_n >= self.policy.merge_share * total else (None, 0)
         )
         if self.active is None and self._streak[0] is not None and self._streak[1] >= self.policy.after_steps:
-            self.merge(self._streak[0])
+            try:
+                self.merge(self._streak[0])
+            except AdapterError:  # not resident and cannot be made so: the step runs unmerged and says why
+                self._streak = (None, 0)
         merged = self.active is not None and tokens.get(self.active, 0) == total
         self.stats["merged_steps"] += merged
         return merged
