@@ -46,6 +46,8 @@ def build_engine(options: ServeOptions, tokenizer):
         config = dataclasses.replace(config, gpu_memory_utilization=options.kv_cache_fraction)
     if options.memory_mode is not None:
         config = dataclasses.replace(config, memory_mode=options.memory_mode)
+    if options.lora_merge:
+        config = dataclasses.replace(config, lora_merge=True)
     adapters = {"max_lora_rank": options.max_rank, "lora_pool_bytes": options.gpu_adapter_bytes,
                 "lora_host_bytes": options.host_adapter_bytes}  # fmt: skip
     config = dataclasses.replace(config, **{k: v for k, v in adapters.items() if v is not None})
