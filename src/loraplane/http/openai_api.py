@@ -142,7 +142,9 @@ async def chat_completions(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         render = ChatStream(request_id, body.model, created, include_usage, num_logprobs, texts)
         events = sse(request, state.engine, request_id, outputs, render)
-        return StreamingResponse(events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS))
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS)
+        )
     result = await _collect(request, state, request_id, outputs, "messages")
     logprobs = None
     if num_logprobs is not None:
@@ -179,7 +181,9 @@ async def completions(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         render = CompletionStream(request_id, body.model, created, include_usage, body.logprobs, texts)
         events = sse(request, state.engine, request_id, outputs, render)
-        return StreamingResponse(events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS))
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS)
+        )
     result = await _collect(request, state, request_id, outputs, "prompt")
     logprobs = None
     if body.logprobs is not None:
