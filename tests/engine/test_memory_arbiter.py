@@ -32,7 +32,7 @@ def test_block_manager_over_the_split_takes_blocks_lowest_first():
     bm.allocate(b, 3)
     assert a.block_table == [0, 1, 2] and b.block_table == [3, 4] and bm.num_free_blocks == 1
     assert not bm.make_room(2) and bm.make_room(1)
-    bm.reserve_for_kv(10)  # no adapter competes for the split's KV: kept, but nobody reads it
+    assert not bm.memory.reserves_kv  # no adapter competes for the split's KV: nothing to reserve
     assert bm.idle_kv_chunks() == 0 and bm.release_idle_kv_chunks(1) == 0
 
 

@@ -221,17 +221,18 @@ class Scheduler:
                 ready[key] = self.residency.is_ready(key)
             except Exception as error:  # noqa: BLE001 - it belongs to the requests of this adapter
                 ready[key], broken[key] = False, error
-        # A load must leave the KV room that the next admissions need (queued sequences of the base, of ready
-        # adapters, of adapters requested before it, and its own), as far as one step admits (a unified
-        # memory's reserve; the split's KV share is its own anyway).
-        room = _Reserve(self)
-        for key in [None, *keys]:
+        # When adapter loads may take KV's room (the memory says so), a load must leave the KV room that the
+        # next admissions need (queued sequences of the base, of ready adapters, of adapters requested before
+        # it, and its own), as far as one step admits.
+        room = _Reserve(self) if self.block_manager.memory.reserves_kv else None
+        for key in [None, *keys] if room is not None else ():
             if ready.get(key):
                 room.add(key)
         for key in keys:
             if ready[key] or key in broken:
                 continue
-            room.add(key)
+            if room is not None:
+                room.add(key)
             try:
                 self.residency.request(key)
             except Exception as error:  # noqa: BLE001 - as above

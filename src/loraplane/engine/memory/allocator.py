@@ -29,6 +29,8 @@ from loraplane.engine.memory.arbiter import FREE, KV, AdapterReclaimer, KVSide
 
 
 class UnifiedMemory:
+    reserves_kv = True  # adapter rows may take KV's chunks: the scheduler keeps queued sequences' room
+
     def __init__(self, num_chunks: int, chunk_blocks: int, block_elems: int, widths: Iterable[int],
                  block_bytes: int = 0) -> None:  # fmt: skip
         if num_chunks <= 0:

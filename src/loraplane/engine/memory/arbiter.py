@@ -43,7 +43,10 @@ class GpuMemory(Protocol):
     num_chunks: int
     chunk_blocks: int  # KV blocks per chunk
     kind: list[int]  # per chunk: FREE, KV or a row width
-    kv_reserve_chunks: int  # set each step: chunks adapter loads must leave to queued sequences
+    # Whether adapter loads may take KV's room: then the scheduler tells it each step (kv_reserve_chunks)
+    # how many chunks loads must leave to the queued sequences (False: KV's share is its own).
+    reserves_kv: bool
+    kv_reserve_chunks: int
 
     @property
     def num_free_chunks(self) -> int: ...
@@ -70,13 +73,15 @@ class GpuMemory(Protocol):
 class SplitMemory:
     """The trivial arbiter of ``memory_mode="split"``: all ``num_blocks`` blocks are KV's, as one chunk."""
 
+    reserves_kv = False  # nothing competes with KV for its share
+
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         self.num_blocks = self.chunk_blocks = num_blocks
         self.num_chunks = 1
         self.kind = [FREE]
-        self.kv_reserve_chunks = 0  # nothing competes with KV for its share
+        self.kv_reserve_chunks = 0
 
     @property
     def num_free_chunks(self) -> int:
