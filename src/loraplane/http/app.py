@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 
 from loraplane.engine.api import EngineInfo
 from loraplane.engine.core.async_engine import AsyncEngine
@@ -65,16 +66,44 @@ def liveness(state: ServerState) -> JSONResponse:
 
 
 def require_api_key(request: Request) -> Principal:
+    """The caller ApiKeyGate let in (it already refused everyone else, before any body was read)."""
     state = server_state(request)
-    if state.api_keys is None:
+    principal = getattr(request.state, "principal", None)
+    if principal is None and state.api_keys is None:
         principal = OPEN
-    else:
+    elif principal is None:  # an app mounted without the gate
         principal = state.api_keys.authenticate(request.headers.get("authorization"))
         if principal is None:
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                           type=AUTHENTICATION, code="invalid_api_key")  # fmt: skip
+            raise invalid_api_key()
     request.state.key_name = principal.name
     return principal
+
+
+def invalid_api_key() -> APIError:
+    return APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", type=AUTHENTICATION,
+                    code="invalid_api_key")  # fmt: skip
+
+
+class ApiKeyGate:
+    """ASGI middleware: a call to a path that needs a key is refused (401) before its body is read or parsed,
+    so a caller without a key learns nothing of the schema and costs no JSON parsing. The principal it lets
+    in travels in the scope's state to ``require_api_key``."""
+
+    def __init__(self, app, api_keys: ApiKeys | None) -> None:
+        self.app, self.api_keys = app, api_keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.api_keys is None or not _needs_key(scope["path"]):
+            return await self.app(scope, receive, send)
+        principal = self.api_keys.authenticate(Headers(scope=scope).get("authorization"))
+        if principal is None:
+            return await invalid_api_key().response()(scope, receive, send)
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+
+def _needs_key(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/") or path == "/openapi.json"
 
 
 class BodySizeLimit:
@@ -155,6 +184,7 @@ def create_app(
         return JSONResponse(app.openapi())
 
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(ApiKeyGate, api_keys=api_keys)  # outside the body limit: no key, no body read
     app.add_middleware(RequestLog, metrics=metrics)
     return app
 
