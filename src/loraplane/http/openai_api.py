@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplane.engine.api import AdapterError, OverloadedError
-from loraplane.http.app import ServerState, require_api_key, server_state
 from loraplane.http.auth import Principal
 from loraplane.http.checks import (
     chat_prompt,
@@ -37,6 +36,7 @@ from loraplane.http.protocol import (
     now,
 )
 from loraplane.http.runs import RequestFailed, Run
+from loraplane.http.state import ServerState, require_api_key, server_state
 from loraplane.http.streaming import (
     ChatStream,
     CompletionStream,
