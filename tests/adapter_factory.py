@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, Manifest, canonical_json
+from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, Manifest
 from loraplane.artifacts.pack import pack_folder, push_folder, sign_folder
 from loraplane.artifacts.peft import expected_shapes
 from loraplane.artifacts.signing import generate_keypair, key_id, sign_bytes
@@ -279,7 +279,7 @@ def resign_edited(source: Path, folder: Path, keys: Keys, edit: Callable[[Path],
     for name in data["files"]:
         blob = (folder / name).read_bytes()
         data["files"][name] = {"sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}
-    raw = canonical_json(data)
+    raw = Manifest.from_dict(data).canonical_bytes()  # the canonical spelling of the edited fields
     (folder / MANIFEST_FILE).write_bytes(raw)
     (folder / SIGNATURE_FILE).write_bytes(sign_bytes(raw, keys.private_pem))
     return "sha256:" + hashlib.sha256(raw).hexdigest()

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 
 from safetensors.torch import save_file  # noqa: E402
 
-from loraplane.artifacts.peft import parse_adapter_config  # noqa: E402
+from loraplane.artifacts.peft_config import parse_adapter_config  # noqa: E402
 from loraplane.engine.api import AdapterError  # noqa: E402
 from loraplane.engine.lora.weights import load_adapter_weights  # noqa: E402
 from loraplane.engine.model.model_config import ModelConfig  # noqa: E402
@@ -35,7 +35,7 @@ def key(layer: int, module: str, ab: str) -> str:
 def write(folder: Path, config: dict | None = None, tensors: dict | None = None, r: int = 4) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-              "bias": "none", "some_future_key": 1, **(config or {})}  # fmt: skip
+              "bias": "none", **(config or {})}  # fmt: skip
     (folder / "adapter_config.json").write_text(json.dumps(config))
     if tensors is None:
         tensors = {}
@@ -101,6 +101,9 @@ REFUSALS = [
                                                  key(0, "q_proj", "B"): torch.full((Q, 4), float("nan"))})),
     ("BadAdapterFile", "lora_B", dict(tensors={key(0, "q_proj", "A"): torch.ones(4, H)})),
     ("UnsupportedAdapter", "peft_type", dict(config={"peft_type": "IA3"})),
+    ("UnsupportedAdapter", "adapter_config.json.some_future_key", dict(config={"some_future_key": 1})),
+    ("UnsupportedAdapter", "adapter_config.json.use_qalora", dict(config={"use_qalora": True})),
+    ("UnsupportedAdapter", "adapter_config.json.alora_invocation_tokens", dict(config={"alora_invocation_tokens": [5]})),
     ("BadAdapterFile", "adapter_config.json.r", dict(config={"r": None})),
     ("BadAdapterFile", "adapter_config.json.r", dict(config={"r": "4"})),
     ("BadAdapterFile", "adapter_config.json.r", dict(config={"r": 4.0})),

@@ -114,9 +114,12 @@ def test_failures_carry_the_contracts_reason_and_leave_nothing(clean, engine, ke
     [("rnull", {"r": None}, "adapter_config.json.r"), ("rtext", {"r": "4"}, "adapter_config.json.r"),
      ("anull", {"lora_alpha": None}, "adapter_config.json.lora_alpha"),
      ("pnull", {"rank_pattern": {"q_proj": None}}, "adapter_config.json.rank_pattern.q_proj"),
-     ("norank", {"r": ...}, "adapter_config.json (r / rank_pattern) says 8")],  # PEFT's default r, not rank 4
+     ("norank", {"r": ...}, "adapter_config.json (r / rank_pattern) says 8"),  # PEFT's default r, not rank 4
+     ("qalora", {"use_qalora": True}, "adapter_config.json.use_qalora"),
+     ("future", {"future_option": None}, "adapter_config.json.future_option")],
 )  # fmt: skip
-def test_a_signed_config_with_bad_numbers_is_refused_naming_the_field(clean, engine, version, changes, field):
+def test_a_signed_config_the_engine_cannot_compute_is_refused_naming_the_field(clean, engine, version, changes,
+                                                                               field):  # fmt: skip
     adapter = clean.publish_edited(clean.published["chat-v1"], version, edit_config(**changes))
     response = clean.put("chat", adapter)
     assert response.status_code >= 400 and field in response.json()["message"], response.text

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from loraplane.artifacts.errors import BAD_MANIFEST, ArtifactError
-from loraplane.artifacts.peft import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
+from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
 from loraplane.engine.api import AdapterError
 from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file
 from loraplane.engine.model.model_config import ModelConfig
