@@ -15,10 +15,10 @@ from pathlib import Path
 import httpx
 
 from loraplane.artifacts.manifest import MANIFEST_FILE, Manifest
-from loraplane.http.adapters import AdapterManager
+from loraplane.http.adapters import AdapterRegistry
 from loraplane.http.admin import create_admin_app
 from loraplane.http.app import create_app
-from loraplane.http.sources import S3Source
+from loraplane.serve.sources import S3Source
 from tests.adapter_factory import (
     Keys,
     PublishedAdapter,
@@ -40,7 +40,7 @@ class AdapterWorld:
     public: ServerThread
     admin: ServerThread
     source: S3Source
-    manager: AdapterManager
+    registry: AdapterRegistry
     published: dict[str, PublishedAdapter] = field(default_factory=dict)
     keys: Keys | None = None  # the trusted signing key
     s3: object = None  # a boto3 client of the bucket's server
@@ -121,11 +121,11 @@ def adapter_world(workdir: Path, engine, model_dir: Path, *, api_keys=None, wait
         cache_dir = workdir / "cache"
         cache_dir.mkdir()
         source = S3Source.create(cache_dir, 1 << 30, keys.trusted, engine.info)
-        manager = AdapterManager(engine, state.metrics, source.pull, source.release, source.pin)
+        registry = AdapterRegistry(engine, state.metrics, source.pull, source.release, source.pin)
         state.metrics.watch_engine(engine, source.cache)
-        admin = create_admin_app(state, ADMIN_TOKEN, manager, wait_s=wait_s)
+        admin = create_admin_app(state, ADMIN_TOKEN, registry, wait_s=wait_s)
         with ServerThread(app) as public, ServerThread(admin) as admin_server:
-            world = AdapterWorld(public, admin_server, source, manager, published, keys, endpoint.client())
+            world = AdapterWorld(public, admin_server, source, registry, published, keys, endpoint.client())
             try:
                 yield world
             finally:
