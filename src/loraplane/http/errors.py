@@ -116,6 +116,10 @@ def install_error_handlers(app: FastAPI) -> None:
         param = _loc_to_param(tuple(first.get("loc", ())))
         if param is None and first.get("type") == "missing":
             return bad_request("a JSON object body is required").response()
+        if first.get("type") == "extra_forbidden":  # as OpenAI: a field nobody defines is not ignored
+            return bad_request(
+                f"{param}: unknown field (not in OpenAI's API nor vLLM's extensions)", param
+            ).response()
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
         return bad_request(message, param).response()
 

@@ -33,6 +33,7 @@ from loraplane.http.protocol import (
     CompletionRequest,
     ModelList,
     ResponseMessage,
+    StreamOptions,
     new_id,
     now,
 )
@@ -129,8 +130,9 @@ async def chat_completions(
     request_id, created, texts = new_id("chatcmpl"), now(), TokenTexts(state.tokenizer)
     _, outputs = _start(request, state, principal, target, prompt, sampling, request_id, "messages")
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        render = ChatStream(request_id, body.model, created, include_usage, num_logprobs, texts)
+        options = body.stream_options or StreamOptions()
+        render = ChatStream(request_id, body.model, created, options.include_usage, num_logprobs, texts,
+                            options.continuous_usage_stats)  # fmt: skip
         events = sse(request, state.engine, request_id, outputs, render)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
     result = await _collect(request, state, request_id, outputs, "messages")
@@ -153,7 +155,8 @@ async def completions(
     state = server_state(request)
     target = _target(request, state, body.model, principal)
     refuse_unsupported(body, state.vocab_size)
-    prompt = completion_prompt(state.tokenizer, state.vocab_size, body.prompt)
+    add_special = body.add_special_tokens is not False
+    prompt = completion_prompt(state.tokenizer, state.vocab_size, body.prompt, add_special)
     max_tokens = fit_max_tokens(
         state.max_model_len,
         len(prompt),
@@ -166,8 +169,9 @@ async def completions(
     request_id, created, texts = new_id("cmpl"), now(), TokenTexts(state.tokenizer)
     _, outputs = _start(request, state, principal, target, prompt, sampling, request_id, "prompt")
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        render = CompletionStream(request_id, body.model, created, include_usage, body.logprobs, texts)
+        options = body.stream_options or StreamOptions()
+        render = CompletionStream(request_id, body.model, created, options.include_usage, body.logprobs, texts,
+                                  options.continuous_usage_stats)  # fmt: skip
         events = sse(request, state.engine, request_id, outputs, render)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
     result = await _collect(request, state, request_id, outputs, "prompt")

@@ -189,8 +189,12 @@ class ChatStream:
     include_usage: bool
     num_logprobs: int | None  # None: no logprobs
     texts: TokenTexts
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage on every chunk
+    _usage: Usage | None = None
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        if usage is None and self.continuous_usage:
+            usage = self._usage
         return ChatCompletionChunk(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         ).model_dump_json()
@@ -198,6 +202,7 @@ class ChatStream:
     def __call__(self, out: RequestOutput | None) -> list[str]:
         if out is None:
             return [self._chunk([ChatChunkChoice(delta={"role": "assistant", "content": ""})])]
+        self._usage = usage_of(out)
         chunks = []
         logprobs = None
         if self.num_logprobs is not None and out.logprobs:
@@ -219,9 +224,13 @@ class CompletionStream:
     include_usage: bool
     num_logprobs: int | None
     texts: TokenTexts
+    continuous_usage: bool = False
     offset: int = 0  # text_offset of the next token
+    _usage: Usage | None = None
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
+        if usage is None and self.continuous_usage:
+            usage = self._usage
         return Completion(
             id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
         ).model_dump_json()
@@ -229,6 +238,7 @@ class CompletionStream:
     def __call__(self, out: RequestOutput | None) -> list[str]:
         if out is None:
             return []
+        self._usage = usage_of(out)
         chunks = []
         logprobs = None
         if self.num_logprobs is not None and out.logprobs:
