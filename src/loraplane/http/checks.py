@@ -132,8 +132,8 @@ def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
             )
     else:
         _refuse_set(body, _COMPLETION_OFF)
-        if body.echo:
-            raise bad_request("echo: not supported", "echo")
+        if body.echo and body.logprobs is not None:  # it would need the prompt's own logprobs
+            raise bad_request("echo: not supported together with logprobs", "echo")
 
 
 def fit_max_tokens(
@@ -209,6 +209,15 @@ def chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
         raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from None
     # The template holds the special tokens; add_special_tokens (vLLM) adds the tokenizer's own on top.
     return list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+
+
+def prompt_text(tokenizer, prompt) -> str:
+    """The prompt as text, for echo: as sent, or its token ids decoded."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt) if tokenizer is not None else ""
 
 
 def completion_prompt(tokenizer, vocab_size: int, prompt, add_special_tokens: bool = True) -> list[int]:

@@ -18,6 +18,7 @@ from loraplane.http.checks import (
     chat_prompt,
     completion_prompt,
     fit_max_tokens,
+    prompt_text,
     refuse_unsupported,
     sampling_params,
 )
@@ -31,6 +32,7 @@ from loraplane.http.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    ModelCard,
     ModelList,
     ResponseMessage,
     StreamOptions,
@@ -60,6 +62,21 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = (
 async def list_models(request: Request, principal: Principal = Depends(require_api_key)) -> ModelList:
     state = server_state(request)
     return ModelList(data=state.models.cards(state.engine, principal))
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(
+    model_id: str, request: Request, principal: Principal = Depends(require_api_key)
+) -> ModelCard:
+    """One model as /v1/models lists it; ``name@version`` too while it is loaded. Others: 404."""
+    state = server_state(request)
+    card = next((c for c in state.models.cards(state.engine, principal) if c.id == model_id), None)
+    if card is None:
+        target = state.models.resolve(state.engine, model_id, principal)  # 404 (or 403 for the base)
+        base = state.models.base_name
+        card = ModelCard(id=model_id, created=state.models.created, root=base, parent=base,
+                         version=target.version)  # fmt: skip
+    return card
 
 
 def _target(request: Request, state: ServerState, model: str, principal: Principal) -> Target:
@@ -139,9 +156,8 @@ async def chat_completions(
     logprobs = None
     if num_logprobs is not None:
         logprobs = chat_logprobs(result.token_ids, result.logprobs, num_logprobs, texts)
-    choice = ChatChoice(
-        message=ResponseMessage(content=result.text), logprobs=logprobs, finish_reason=result.finish_reason
-    )
+    choice = ChatChoice(message=ResponseMessage(content=result.text), logprobs=logprobs,
+                        finish_reason=result.finish_reason, stop_reason=result.stop_reason)  # fmt: skip
     response = ChatCompletion(
         id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
     )
@@ -166,19 +182,21 @@ async def completions(
         "prompt",
     )
     sampling = sampling_params(body, max_tokens, body.logprobs, "prompt")
+    echo = prompt_text(state.tokenizer, body.prompt) if body.echo else ""
     request_id, created, texts = new_id("cmpl"), now(), TokenTexts(state.tokenizer)
     _, outputs = _start(request, state, principal, target, prompt, sampling, request_id, "prompt")
     if body.stream:
         options = body.stream_options or StreamOptions()
         render = CompletionStream(request_id, body.model, created, options.include_usage, body.logprobs, texts,
-                                  options.continuous_usage_stats)  # fmt: skip
+                                  options.continuous_usage_stats, echo)  # fmt: skip
         events = sse(request, state.engine, request_id, outputs, render)
         return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
     result = await _collect(request, state, request_id, outputs, "prompt")
     logprobs = None
     if body.logprobs is not None:
         logprobs = completion_logprobs(result.token_ids, result.logprobs, body.logprobs, texts)
-    choice = CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=result.finish_reason)
+    choice = CompletionChoice(text=echo + result.text, logprobs=logprobs, finish_reason=result.finish_reason,
+                              stop_reason=result.stop_reason)  # fmt: skip
     response = Completion(
         id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
     )

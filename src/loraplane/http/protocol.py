@@ -205,6 +205,7 @@ class ChatChoice(BaseModel):
     message: ResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM: the stop token id or stop string that ended it
 
 
 class ChatCompletion(BaseModel):
@@ -221,6 +222,7 @@ class ChatChunkChoice(BaseModel):
     delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, then {} with the finish reason
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -244,6 +246,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 class Completion(BaseModel):

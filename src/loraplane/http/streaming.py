@@ -61,21 +61,33 @@ def usage_of(out: RequestOutput) -> Usage:
     )
 
 
+def shown_tokens(out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
+    """The output's new token ids and logprobs, without a stop token that ended it (end of sequence or
+    stop_token_ids): its text is not in the answer, so logprobs do not list it either (as OpenAI and vLLM)."""
+    ids, logprobs = out.new_token_ids, out.logprobs or []
+    if out.finished and isinstance(out.stop_reason, int) and ids and ids[-1] == out.stop_reason:
+        return ids[:-1], logprobs[: len(ids) - 1]
+    return ids, logprobs
+
+
 @dataclass(slots=True)
 class Generation:
     """One finished request, collected."""
 
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # without a final stop token
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     usage: Usage | None = None
 
     def add(self, out: RequestOutput) -> None:
+        ids, logprobs = shown_tokens(out)
         self.text += out.text
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs or []
+        self.token_ids += ids
+        self.logprobs += logprobs
         self.finish_reason = out.finish_reason
+        self.stop_reason = out.stop_reason
         self.usage = usage_of(out)
 
 
@@ -205,12 +217,14 @@ class ChatStream:
         self._usage = usage_of(out)
         chunks = []
         logprobs = None
-        if self.num_logprobs is not None and out.logprobs:
-            logprobs = chat_logprobs(out.new_token_ids, out.logprobs, self.num_logprobs, self.texts)
+        ids, entries = shown_tokens(out)
+        if self.num_logprobs is not None and entries:
+            logprobs = chat_logprobs(ids, entries, self.num_logprobs, self.texts)
         if out.text or logprobs is not None:
             chunks.append(self._chunk([ChatChunkChoice(delta={"content": out.text}, logprobs=logprobs)]))
         if out.finished:
-            chunks.append(self._chunk([ChatChunkChoice(delta={}, finish_reason=out.finish_reason)]))
+            end = ChatChunkChoice(delta={}, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            chunks.append(self._chunk([end]))
             if self.include_usage:
                 chunks.append(self._chunk([], usage_of(out)))
         return chunks
@@ -225,6 +239,7 @@ class CompletionStream:
     num_logprobs: int | None
     texts: TokenTexts
     continuous_usage: bool = False
+    echo: str = ""  # the prompt's text, sent first (echo)
     offset: int = 0  # text_offset of the next token
     _usage: Usage | None = None
 
@@ -237,17 +252,17 @@ class CompletionStream:
 
     def __call__(self, out: RequestOutput | None) -> list[str]:
         if out is None:
-            return []
+            return [self._chunk([CompletionChoice(text=self.echo, finish_reason=None)])] if self.echo else []
         self._usage = usage_of(out)
         chunks = []
         logprobs = None
-        if self.num_logprobs is not None and out.logprobs:
-            logprobs = completion_logprobs(
-                out.new_token_ids, out.logprobs, self.num_logprobs, self.texts, self.offset
-            )
+        ids, entries = shown_tokens(out)
+        if self.num_logprobs is not None and entries:
+            logprobs = completion_logprobs(ids, entries, self.num_logprobs, self.texts, self.offset)
             self.offset += sum(len(t) for t in logprobs.tokens)
         if out.text or logprobs is not None or out.finished:
-            choice = CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=out.finish_reason)
+            choice = CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
+                                      stop_reason=out.stop_reason)  # fmt: skip
             chunks.append(self._chunk([choice]))
         if out.finished and self.include_usage:
             chunks.append(self._chunk([], usage_of(out)))

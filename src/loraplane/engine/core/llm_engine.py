@@ -60,6 +60,9 @@ class RequestOutput:
     # Parallel to new_token_ids: {token_id: logprob} with the sampled token and the requested top ones.
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None  # why the request failed (finish_reason 'error'); the engine goes on
+    # finish_reason 'stop': the token id (end of sequence or stop_token_ids) or the stop string that ended it.
+    # A stop token is the last of new_token_ids; its text is never part of the output.
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -300,9 +303,11 @@ class LLMEngine:
         if token_id in sampling.stop_token_ids or (
             not sampling.ignore_eos and token_id in self.eos_token_ids
         ):
+            seq.stop_reason = token_id
             return "stop"  # the stop token's text is never part of the output
         detokenizer = self._detokenizers.get(seq.seq_id)
         if detokenizer is not None and detokenizer.add_token(token_id):
+            seq.stop_reason = detokenizer.stopped_on
             return "stop"
         if seq.num_output_tokens >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -336,6 +341,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             logprobs=logprobs,
             error=seq.error,
+            stop_reason=seq.stop_reason,
         )
 
     # --- offline convenience ----------------------------------------------------------------------------------

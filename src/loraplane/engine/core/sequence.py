@@ -115,6 +115,7 @@ class Sequence:
         "status",
         "arrival_time",
         "finish_reason",
+        "stop_reason",
         "error",
         "num_preemptions",
         "cache_salt",
@@ -147,6 +148,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # why it failed, when finish_reason == "error"
         self.num_preemptions = 0
         # Prefix caching: the adapter's identity salts every block hash (never the adapter's name alone);
