@@ -125,8 +125,14 @@ def test_completion_logprobs(client):
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [
-        ({"n": 2}, "n"),
-        ({"presence_penalty": 0.5}, "presence_penalty"),
+        ({"n": 0}, "n"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"logit_bias": {"hello": 1}}, "logit_bias"),
+        ({"logit_bias": {"100000": 1}}, "logit_bias"),
+        ({"logit_bias": {"1": 101}}, "logit_bias.1"),
+        ({"extra_body": {"min_tokens": 9}, "max_tokens": 8}, "min_tokens"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"extra_body": {"min_p": 1.5}}, "min_p"),
         ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         ({"max_tokens": None, "max_completion_tokens": MAX_MODEL_LEN}, "max_completion_tokens"),
         ({"temperature": 3.0}, "temperature"),
@@ -157,7 +163,7 @@ def test_bad_chat_requests_are_400_naming_the_field(client, kwargs, param):
         ({"prompt": [1, 10**6]}, "prompt"),
         ({"prompt": list(range(3)) * MAX_MODEL_LEN}, "prompt"),
         ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
-        ({"echo": True}, "echo"),
+        ({"echo": True, "logprobs": 1}, "echo"),
         ({"best_of": 2}, "best_of"),
     ],
 )

@@ -77,16 +77,6 @@ _MESSAGE_OFF: dict[str, tuple] = {
     "annotations": ([],),
 }
 _COMPLETION_OFF: dict[str, tuple] = {"suffix": ("",), "prompt_embeds": ()}
-# Honoured by the engine later in a request's life; refused here until then.
-_NOT_YET: dict[str, tuple] = {
-    "n": (1,),
-    "presence_penalty": (0,),
-    "frequency_penalty": (0,),
-    "logit_bias": ({},),
-    "min_p": (0,),
-    "repetition_penalty": (1,),
-    "min_tokens": (0,),
-}
 
 
 def _same(value, ok) -> bool:
@@ -104,7 +94,6 @@ def _refuse_set(obj, table: dict[str, tuple], prefix: str = "") -> None:
 
 
 def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
-    _refuse_set(body, _NOT_YET)
     _refuse_set(body, _OFF)
     if body.stream_options is not None:
         if not body.stream:
@@ -114,6 +103,7 @@ def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
         raise bad_request(
             f"top_k: must be at most the vocabulary size {vocab_size}, got {body.top_k}", "top_k"
         )
+    _check_logit_bias(body.logit_bias or {}, vocab_size)
     bad_stop = next((t for t in body.stop_token_ids or () if t >= vocab_size), None)
     if bad_stop is not None:
         raise bad_request(
@@ -134,6 +124,14 @@ def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
         _refuse_set(body, _COMPLETION_OFF)
         if body.echo and body.logprobs is not None:  # it would need the prompt's own logprobs
             raise bad_request("echo: not supported together with logprobs", "echo")
+
+
+def _check_logit_bias(bias: dict[str, float], vocab_size: int) -> None:
+    for key in bias:
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise bad_request(
+                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
+            )
 
 
 def fit_max_tokens(
@@ -180,6 +178,12 @@ def sampling_params(
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
+            min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0,
         )
     except ValueError as exc:
         raise from_engine_value_error(exc, prompt_param) from None

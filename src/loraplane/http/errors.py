@@ -33,6 +33,12 @@ _ENGINE_FIELDS = {
     "SamplingParams.stop": "stop",
     "SamplingParams.logprobs": "logprobs",
     "SamplingParams.stop_token_ids": "stop_token_ids",
+    "SamplingParams.logit_bias": "logit_bias",
+    "SamplingParams.min_tokens": "min_tokens",
+    "SamplingParams.presence_penalty": "presence_penalty",
+    "SamplingParams.frequency_penalty": "frequency_penalty",
+    "SamplingParams.repetition_penalty": "repetition_penalty",
+    "SamplingParams.min_p": "min_p",
 }
 
 
