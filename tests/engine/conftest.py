@@ -25,6 +25,11 @@ TINY_DIMS = dict(
     # Wider than the default 0.02 so greedy top-2 logits stay well apart (ties would make fp32 comparisons flaky).
     initializer_range=0.2,
 )
+# The chain of reductions behind one logit of a tiny model, for tests.numerics.sum_atol. Per layer: q/k/v, o
+# and gate/up over the hidden size, the attention over a head and the positions (another hidden size's worth
+# at test lengths), down over the intermediate size; then the head over the hidden size.
+_LAYER_TERMS = 4 * TINY_DIMS["hidden_size"] + TINY_DIMS["intermediate_size"]
+TINY_LOGIT_TERMS = TINY_DIMS["num_hidden_layers"] * _LAYER_TERMS + TINY_DIMS["hidden_size"]
 
 
 def build_tiny_hf_model(out_dir: Path, arch: str, seed: int = 0, **overrides) -> Path:

@@ -33,6 +33,9 @@ KEYS_YAML = """keys:
     max_concurrency: 1
   - key: key-all
     name: platform
+  - key: key-budget
+    name: budgeted
+    tokens_per_minute: 60
 """
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
@@ -132,6 +135,18 @@ def test_tokens_per_minute_is_429_with_retry_after(world):
     refused = httpx.post(f"{world.public.url}/v1/completions", json=body, headers=headers)
     assert refused.status_code == 429 and 1 <= int(refused.headers["retry-after"]) <= 60
     assert "tokens per minute" in refused.json()["error"]["message"]
+
+
+async def test_concurrent_requests_stay_within_tokens_per_minute_plus_one_request(world):
+    """50 requests at once on a budget of 60 tokens: each reserves prompt + max_tokens as it is admitted."""
+    body = {"model": MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True}
+    headers = {"Authorization": "Bearer key-budget"}
+    async with httpx.AsyncClient(base_url=world.public.url, headers=headers, timeout=120) as c:
+        answers = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(50)))
+    granted = [a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200]
+    assert granted and all(a.status_code in (200, 429) for a in answers)
+    assert all(tokens == 3 + 8 for tokens in granted)
+    assert sum(granted) <= 60 + (3 + 8), sum(granted)
 
 
 def test_openapi_needs_a_key_when_keys_are_configured(world):

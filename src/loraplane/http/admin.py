@@ -22,10 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplane.engine.api import AdapterError
 from loraplane.http.adapters import FAILED, WARM, AdapterManager, LoadFailed, LoadSpec, unload_from
-from loraplane.http.app import ServerState, health, liveness
 from loraplane.http.auth import bearer_token
 from loraplane.http.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR
 from loraplane.http.logs import RequestLog
+from loraplane.http.state import ServerState, health, liveness
 from loraplane.http.views import adapter_views
 
 POD_FAILED = "PodFailed"  # the operator's reason for "a pod refused for another reason"

@@ -13,6 +13,9 @@ from loraplane.http.protocol import ChatCompletionRequest, CompletionRequest
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
+MAX_STOP_STRINGS = 4  # OpenAI's documented bound ("up to 4 sequences")
+MAX_STOP_CHARS = 4096  # all stop strings together: each is matched against the output on the engine thread
+
 
 # Fields declared so that they are refused by name: the values that ask for nothing (besides null, always fine).
 # A value outside its tuple is a 400 naming the field; a field not listed here is honoured.
@@ -99,6 +102,7 @@ def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
         if not body.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
         _refuse_set(body.stream_options, {"include_obfuscation": (False,)}, "stream_options.")
+    check_stop(body.stop)
     if body.top_k is not None and body.top_k > vocab_size:
         raise bad_request(
             f"top_k: must be at most the vocabulary size {vocab_size}, got {body.top_k}", "top_k"
@@ -132,6 +136,15 @@ def _check_logit_bias(bias: dict[str, float], vocab_size: int) -> None:
             raise bad_request(
                 f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
             )
+
+
+def check_stop(stop: str | list[str] | None) -> None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+    chars = sum(len(s) for s in stops)
+    if chars > MAX_STOP_CHARS:
+        raise bad_request(f"stop: at most {MAX_STOP_CHARS} characters in all, got {chars}", "stop")
 
 
 def fit_max_tokens(

@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplane.engine.api import AdapterError, OverloadedError
-from loraplane.http.app import ServerState, require_api_key, server_state
 from loraplane.http.auth import Principal
 from loraplane.http.checks import (
     chat_prompt,
@@ -42,6 +41,7 @@ from loraplane.http.protocol import (
 )
 from loraplane.http.renderers import ChatStream, CompletionStream, Head, Streams
 from loraplane.http.runs import RequestFailed, Run
+from loraplane.http.state import ServerState, require_api_key, server_state
 from loraplane.http.streaming import TokenTexts, Usages, chat_logprobs, collect, completion_logprobs, sse
 
 router = APIRouter()
@@ -80,10 +80,11 @@ def _target(request: Request, state: ServerState, model: str, principal: Princip
     return target
 
 
-def _admit(state: ServerState, principal: Principal, prompt: list[int]):
-    """Count the request in under the key's limits (once, whatever n) or answer 429."""
+def _admit(state: ServerState, principal: Principal, prompt: list[int], max_tokens: int):
+    """Count the request in under the key's limits (once, whatever n; it reserves every choice's max_tokens)
+    or answer 429."""
     try:
-        return state.limits.admit(principal, len(prompt))
+        return state.limits.admit(principal, len(prompt), max_tokens)
     except LimitExceeded as exc:
         state.metrics.rejected.labels("key_limit").inc()
         raise too_many_requests(exc.message, exc.retry_after_s, "rate_limit_exceeded") from None
@@ -92,7 +93,7 @@ def _admit(state: ServerState, principal: Principal, prompt: list[int]):
 def _choices(request: Request, state: ServerState, principal: Principal, target: Target, prompt: list[int],
              sampling, n: int, request_id: str, prompt_param: str) -> Choices:  # fmt: skip
     """Admit, then submit choice 0 (refusals come back as HTTP errors); Choices starts the others later."""
-    ticket = _admit(state, principal, prompt)
+    ticket = _admit(state, principal, prompt, sampling.max_tokens * n)
     held = HeldTicket(ticket) if n > 1 else ticket  # n > 1: Choices gives the key's slot back at the end
 
     def start(index: int, child_id: str):

@@ -101,7 +101,9 @@ def trusted_keys(options: ServeOptions) -> dict[str, bytes]:
 
 
 async def prepare(app) -> None:
-    """Before serving: load, warm and route the local adapters (``--adapter name=DIR``)."""
+    """Before serving: load and route the local adapters (``--adapter name=DIR[:pin]``). Each is parsed
+    (validated) into the host tier, whose limit sends the least recently used back to disk; it is warmed to
+    the GPU while the pools have free room, and only a pinned one must fit there."""
     from loraplane.artifacts.errors import ArtifactError
     from loraplane.engine.api import AdapterError
     from loraplane.http.sources import open_local_folder
@@ -113,9 +115,10 @@ async def prepare(app) -> None:
     for name, folder in options.adapters:
         try:
             local = await asyncio.to_thread(open_local_folder, Path(folder), keys or None, state.info)
-            await state.engine.load_adapter(name, local.version, local.path, local.digest, pin=True,
+            pin = name in options.pinned_adapters
+            await state.engine.load_adapter(name, local.version, local.path, local.digest, pin=pin,
                                             expected_base_hash=state.info.base_hash)  # fmt: skip
-            await state.engine.warm_adapter(name, local.version, gpu=True)
+            await state.engine.warm_adapter(name, local.version, gpu=True, only_if_room=not pin)
             await state.engine.set_alias(name, local.version)
         except (ArtifactError, AdapterError) as exc:
             detail = f"{exc.field}: {exc.message}" if getattr(exc, "field", None) else exc.message

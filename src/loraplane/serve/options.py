@@ -34,6 +34,7 @@ class ServeOptions:
     admin_token_file: str | None = None
     host_cache_dir: str | None = None  # the fetched base model and the adapters pulled from S3
     adapters: tuple[tuple[str, str], ...] = ()  # (name, local PEFT folder) served from the start
+    pinned_adapters: tuple[str, ...] = ()  # of those, the names kept GPU-resident (NAME=DIR:pin)
     log_format: str = "json"
     metrics_adapter_labels: int = 100  # distinct adapter label values in metrics; later ones are "other"
     max_rank: int | None = None
@@ -105,6 +106,10 @@ class ServeOptions:
                 raise ValueError(f"adapter: {name}={folder}: not a folder")
             if names.count(name) > 1:
                 raise ValueError(f"adapter: {name!r} is given twice")
+        self.pinned_adapters = tuple(self.pinned_adapters)
+        for name in self.pinned_adapters:
+            if name not in names:
+                raise ValueError(f"pinned_adapters: {name!r} is not one of the adapters {names}")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format: must be json or text, got {self.log_format!r}")
         if not isinstance(self.metrics_adapter_labels, int) or self.metrics_adapter_labels < 0:
@@ -156,8 +161,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         type=_adapter_arg,
-        metavar="NAME=DIR",
-        help="serve the PEFT LoRA folder DIR as model NAME (repeatable); signed when --trusted-keys-dir is set",
+        metavar="NAME=DIR[:pin]",
+        help="serve the PEFT LoRA folder DIR as model NAME (repeatable); signed when --trusted-keys-dir is set. "
+        "It loads on demand and is warmed to the GPU while there is room; ':pin' keeps it GPU-resident",
     )
     parser.add_argument(
         "--metrics-adapter-labels",
@@ -167,11 +173,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _adapter_arg(value: str) -> tuple[str, str]:
+def _adapter_arg(value: str) -> tuple[str, str, bool]:
     name, sep, folder = value.partition("=")
+    pin = folder.endswith(":pin")
+    folder = folder.removesuffix(":pin")
     if not sep or not name or not folder:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
-    return name, folder
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR or NAME=DIR:pin, got {value!r}")
+    return name, folder, pin
 
 
 def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
@@ -234,7 +242,8 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
         served_model_name=served_model_name,
         log_level=args.log_level,
         log_format=args.log_format,
-        adapters=tuple(args.adapter),
+        adapters=tuple((name, folder) for name, folder, _ in args.adapter),
+        pinned_adapters=tuple(name for name, _, pin in args.adapter if pin),
         metrics_adapter_labels=args.metrics_adapter_labels,
         **pod,
     )

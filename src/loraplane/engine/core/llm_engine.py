@@ -15,6 +15,7 @@ from typing import Any
 from loraplane.engine.api import AdapterError
 from loraplane.engine.core.block_manager import BlockManager
 from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.errors import EngineFault, is_device_fault
 from loraplane.engine.core.scheduler import ScheduledBatch, Scheduler
 from loraplane.engine.core.sequence import SamplingParams, Sequence, validate_prompt
 from loraplane.engine.model.detokenizer import IncrementalDetokenizer, TokenizerLike
@@ -23,29 +24,10 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # A step in which every request failed hints at a broken engine rather than bad requests; this many in a row
 # stop the engine (its liveness then fails and the pod restarts).
 MAX_ALL_FAILED_STEPS = 3
-_DEVICE_FAULT_TYPES = {"AcceleratorError", "CudaError", "OutOfMemoryError", "DeferredCudaCallError"}
-_DEVICE_FAULT_TEXT = ("CUDA error", "CUDA out of memory", "device-side assert", "CUBLAS_STATUS", "cuDNN")
+
+IDLE_WAIT_S = 0.05  # the longest a stalled loop blocks between looks (time-based limits are this coarse)
 
 log = logging.getLogger(__name__)
-
-
-class RequestError(RuntimeError):
-    """One request failed inside an engine step; the engine went on with the others."""
-
-    def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(f"request {request_id!r} failed in the engine: {message}")
-        self.request_id = request_id
-
-
-class EngineFault(RuntimeError):
-    """A failure of the engine itself (a broken invariant), never blamed on a request: it stops the engine."""
-
-
-def is_device_fault(error: BaseException) -> bool:
-    """A fault of the accelerator itself (its context is no longer trustworthy): it stops the engine."""
-    if any(cls.__name__ in _DEVICE_FAULT_TYPES for cls in type(error).__mro__):
-        return True
-    return any(text in str(error) for text in _DEVICE_FAULT_TEXT)
 
 
 @dataclass(slots=True)
@@ -123,6 +105,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # aborted or failed: reported by the next step()
         self._all_failed_steps = 0  # consecutive steps in which every request failed
         self._request_ids = itertools.count()
+        self.stalled = False  # the last step ran nothing and reported nothing: every request waits
 
     # --- requests -----------------------------------------------------------------------------------------
     def check_request(self, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
@@ -214,7 +197,19 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         sampled = self._execute(batch)  # a request that makes the step fail is failed alone
         self.scheduler.commit(batch)
-        return self._postprocess(batch, sampled)
+        outputs = self._postprocess(batch, sampled)
+        self.stalled = not batch.chunks and not outputs
+        return outputs
+
+    def idle_wait_s(self) -> float | None:
+        """None when the last step did work; else how long the caller may block before stepping again
+        (every unfinished request waits for an adapter: a finished load, a new request, an abort or a
+        command ends the wait early; the bound lets time-based limits such as adapter_load_timeout_s and
+        copies landing on the device be noticed)."""
+        if not self.stalled:
+            return None
+        wait = getattr(self.scheduler.residency, "idle_wait_s", None)
+        return wait() if wait is not None else IDLE_WAIT_S
 
     def _execute(self, batch: ScheduledBatch) -> list:
         if not batch.chunks:
