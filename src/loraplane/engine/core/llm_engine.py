@@ -312,8 +312,12 @@ class LLMEngine:
         ):
             seq.stop_reason = token_id
             return "stop"  # the stop token's text is never part of the output
-        if detokenizer is not None and sampling.min_tokens and seq.num_output_tokens > sampling.min_tokens:
-            detokenizer.stop = sampling.stop  # stop strings count once the output is past min_tokens
+        if (
+            detokenizer is not None
+            and sampling.min_tokens
+            and seq.num_output_tokens == sampling.min_tokens + 1
+        ):
+            detokenizer.watch(sampling.stop)  # stop strings count once the output is past min_tokens
         if detokenizer is not None and detokenizer.add_token(token_id):
             seq.stop_reason = detokenizer.stopped_on
             return "stop"
