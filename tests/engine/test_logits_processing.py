@@ -12,16 +12,6 @@ import random
 import pytest
 
 torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-from transformers import (  # noqa: E402
-    LogitsProcessor,
-    LogitsProcessorList,
-    MinNewTokensLengthLogitsProcessor,
-    MinPLogitsWarper,
-    RepetitionPenaltyLogitsProcessor,
-    SequenceBiasLogitsProcessor,
-)
 
 from loraplane.engine.core.config import EngineConfig  # noqa: E402
 from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
@@ -32,6 +22,7 @@ from loraplane.engine.model.sampling_batch import SamplingBatch  # noqa: E402
 
 V = 64
 EOS = 3
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
 
 # Every row different: one control each, several at once, and plain rows between them.
 ROWS = [
@@ -77,18 +68,20 @@ def reference(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return row
 
 
-def test_each_row_matches_its_definition():
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_row_matches_its_definition(device):
     rng = random.Random(0)
     seqs = make_seqs(rng)
     logits = torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(0)) * 3
-    meta = SamplingBatch(V, (EOS,), torch.device("cpu"), 0).metadata(seqs)
-    got = process_logits(logits, meta)
+    meta = SamplingBatch(V, (EOS,), torch.device(device), 0).metadata(seqs)
+    got = process_logits(logits.to(device), meta).cpu()
     want = torch.stack([reference(logits[i], seq) for i, seq in enumerate(seqs)])
     torch.testing.assert_close(got, want)
     assert not torch.equal(got, logits) and torch.equal(got[0], logits[0])  # row 0 asks for nothing
 
 
 def test_rows_match_transformers_processors():
+    tf = pytest.importorskip("transformers")
     rng = random.Random(1)
     seqs = make_seqs(rng)
     logits = torch.randn(len(seqs), V, generator=torch.Generator().manual_seed(1)) * 3
@@ -97,17 +90,17 @@ def test_rows_match_transformers_processors():
     for i, seq in enumerate(seqs):
         p, ids = seq.sampling, torch.tensor([seq.token_ids])
         if set(ROWS[i]) == {"repetition_penalty"}:
-            want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, logits[i : i + 1].clone())
+            want = tf.RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, logits[i : i + 1].clone())
         elif set(ROWS[i]) == {"logit_bias"}:
             biases: dict[tuple[int, ...], float] = {}
             for token, bias in p.logit_bias:
                 biases[(token,)] = biases.get((token,), 0.0) + bias
-            want = SequenceBiasLogitsProcessor(biases)(ids, logits[i : i + 1].clone())
+            want = tf.SequenceBiasLogitsProcessor(biases)(ids, logits[i : i + 1].clone())
         elif set(ROWS[i]) == {"min_tokens", "ignore_eos"}:
             continue
         elif set(ROWS[i]) == {"min_tokens", "stop_token_ids"}:
             stop = [EOS, *p.stop_token_ids]
-            processor = MinNewTokensLengthLogitsProcessor(seq.num_prompt_tokens, p.min_tokens, stop)
+            processor = tf.MinNewTokensLengthLogitsProcessor(seq.num_prompt_tokens, p.min_tokens, stop)
             want = processor(ids, logits[i : i + 1].clone())
         else:
             continue
@@ -117,6 +110,7 @@ def test_rows_match_transformers_processors():
 
 
 def test_min_p_matches_transformers_per_row():
+    tf = pytest.importorskip("transformers")
     logits = torch.randn(5, V, generator=torch.Generator().manual_seed(2)) * 4
     min_ps = torch.tensor([0.0, 0.05, 0.3, 0.9, 1.0])
     got = apply_min_p(logits, min_ps)
@@ -124,29 +118,31 @@ def test_min_p_matches_transformers_per_row():
         if min_p == 0.0:
             assert torch.equal(got[i], logits[i])
             continue
-        want = MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), logits[i : i + 1].clone())
+        want = tf.MinPLogitsWarper(min_p)(torch.zeros(1, 1, dtype=torch.long), logits[i : i + 1].clone())
         assert torch.equal(torch.isfinite(got[i]), torch.isfinite(want[0])), min_p
     assert torch.isfinite(got[4]).sum() == 1  # min_p = 1 keeps the likeliest token only
 
 
-def test_min_p_draws_stay_inside_the_kept_set():
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_p_draws_stay_inside_the_kept_set(device):
     seqs = [
         Sequence([1, 2], SamplingParams(temperature=1.0, min_p=m, seed=i)) for i, m in enumerate([0.0, 0.5])
     ]
     logits = torch.randn(2, V, generator=torch.Generator().manual_seed(3)) * 3
-    batch = SamplingBatch(V, (EOS,), torch.device("cpu"), 0)
+    batch = SamplingBatch(V, (EOS,), torch.device(device), 0)
     probs = logits.softmax(-1)
     kept = (probs[1] >= 0.5 * probs[1].max()).nonzero().flatten().tolist()
-    draws = {sample(logits, batch.metadata(seqs)).token_ids[1] for _ in range(40)}
+    draws = {sample(logits.to(device), batch.metadata(seqs)).token_ids[1] for _ in range(40)}
     assert draws <= set(kept)
 
 
-def test_output_counts_follow_the_sampled_tokens_and_rows_are_reused():
-    batch = SamplingBatch(V, (EOS,), torch.device("cpu"), 0)
+@pytest.mark.parametrize("device", DEVICES)
+def test_output_counts_follow_the_sampled_tokens_and_rows_are_reused(device):
+    batch = SamplingBatch(V, (EOS,), torch.device(device), 0)
     seqs = [Sequence([1, 2, 2], SamplingParams(temperature=1.0, seed=s, frequency_penalty=f))
             for s, f in ((0, 0.5), (1, 0.0), (2, 1.0))]  # fmt: skip
     for _ in range(6):
-        out = sample(torch.randn(3, V), batch.metadata(seqs))
+        out = sample(torch.randn(3, V, device=device), batch.metadata(seqs))
         for seq, token in zip(seqs, out.token_ids, strict=True):
             seq.append_token(token)
     state = batch.penalties
@@ -166,7 +162,7 @@ def test_output_counts_follow_the_sampled_tokens_and_rows_are_reused():
     assert state.prompt_mask[freed].nonzero().flatten().tolist() == [5]
 
 
-class OpenAIPenalties(LogitsProcessor):
+class OpenAIPenalties:
     """presence / frequency penalties on the generated tokens, from OpenAI's definition (transformers has none)."""
 
     def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
@@ -189,7 +185,12 @@ E2E = [  # (SamplingParams fields, transformers generate() kwargs); greedy, 24 t
 ]
 
 
-def test_mixed_batch_equals_transformers_generate_of_each_alone(tiny_llama_dir):
+@pytest.fixture
+def transformers():
+    return pytest.importorskip("transformers")
+
+
+def test_mixed_batch_equals_transformers_generate_of_each_alone(transformers, tiny_llama_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     rng = random.Random(4)
     prompts = [[rng.randrange(4, V) for _ in range(rng.randrange(3, 12))] for _ in E2E]
@@ -198,7 +199,11 @@ def test_mixed_batch_equals_transformers_generate_of_each_alone(tiny_llama_dir):
         for prompt, (_, kwargs) in zip(prompts, E2E, strict=True):
             ids = torch.tensor([prompt])
             if kwargs == "openai":
-                kwargs = dict(logits_processor=LogitsProcessorList([OpenAIPenalties(len(prompt), 1.2, 0.4)]))
+                kwargs = dict(
+                    logits_processor=transformers.LogitsProcessorList(
+                        [OpenAIPenalties(len(prompt), 1.2, 0.4)]
+                    )
+                )
             out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=24,
                               pad_token_id=0, eos_token_id=EOS, **kwargs)  # fmt: skip
             refs.append(out[0, len(prompt) :].tolist())
