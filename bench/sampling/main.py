@@ -122,9 +122,9 @@ def run(argv: list[str]) -> dict:
         logits = runner.forward_logits(batch).clone()
         meta = runner.sampling.metadata(seqs)
         sample_ms = timed_ms(
-            lambda: sample(logits, meta, runner.sampling.default_generator), device, args.iters
+            lambda x=logits, m=meta: sample(x, m, runner.sampling.default_generator), device, args.iters
         )
-        meta_ms = timed_ms(lambda: runner.sampling.metadata(seqs), device, args.iters)
+        meta_ms = timed_ms(lambda s=seqs: runner.sampling.metadata(s), device, args.iters)
         plain = name.split(" + ")[0]
         base.setdefault(plain, step_ms)
         rows.append({"case": name, "batch": args.batch, "step_ms": step_ms, "sample_ms": sample_ms,
