@@ -42,8 +42,8 @@ def setup(request, make_hf_model, tmp_path_factory):
 
 
 def make_engine(base, folders, device: str = "cpu", **kw) -> LLMEngine:
-    cfg = EngineConfig(model=str(base), device=device, block_size=4, max_num_batched_tokens=256,
-                       num_kv_blocks=256, **kw)  # fmt: skip
+    opts = dict(block_size=4, max_num_batched_tokens=256, num_kv_blocks=256)
+    cfg = EngineConfig(model=str(base), device=device, **{**opts, **kw})
     engine = LLMEngine(cfg)
     lora = engine.runner.lora
     for name, folder in folders.items():

@@ -16,6 +16,7 @@ import pytest
 
 from loraplane.engine.core.sequence import SamplingParams
 from loraplane.http.auth import ApiKeys
+from loraplane.http.openai_api import VERSION_HEADER
 from tests.http.adapter_fixtures import ADMIN_HEADERS, adapter_world
 from tests.http.conftest import MODEL_NAME, wait_until
 
@@ -176,16 +177,18 @@ async def test_32_concurrent_streams_across_adapters(world):
 
 def test_a_version_swap_during_a_stream_loop_fails_no_request(world, engine):
     assert world.put("chat", world.published["chat-v2"]).status_code == 200  # beside v1
-    results, errors, stop = [], [], threading.Event()
+    results, served, errors, stop = [], [], [], threading.Event()
 
     def loop() -> None:
         with client(world, "key-all") as c:
             while not stop.is_set():
                 try:
-                    chunks = c.completions.create(
+                    raw = c.completions.with_raw_response.create(
                         model="chat", prompt="hi", max_tokens=6, stream=True, **GREEDY
                     )
-                    results.append("".join(ch.choices[0].text for ch in chunks))
+                    text = "".join(ch.choices[0].text for ch in raw.parse())
+                    results.append(text)
+                    served.append((raw.headers.get(VERSION_HEADER), text))
                 except Exception as exc:  # noqa: BLE001 - every failure is the finding
                     errors.append(repr(exc))
 
@@ -206,8 +209,21 @@ def test_a_version_swap_during_a_stream_loop_fails_no_request(world, engine):
     assert errors == []
     on_v2 = asyncio.run(engine_text(engine, engine.engine.tokenizer.encode("hi"), "chat@v2", 6))
     assert results[-1] == on_v2 and set(results) <= set(results[:count]) | {on_v2}
+    on_v1 = asyncio.run(engine_text(engine, engine.engine.tokenizer.encode("hi"), "chat@v1", 6))
+    assert {v for v, _ in served} == {"v1", "v2"}, "the header names the version that answered"
+    assert all(text == {"v1": on_v1, "v2": on_v2}[v] for v, text in served)
     assert world.put("chat", world.published["chat-v1"]).status_code == 200  # back for the other tests
     httpx.post(f"{world.admin.url}/admin/adapters/chat/alias", json={"version": "v1"}, headers=ADMIN_HEADERS)
+
+
+def test_every_answer_names_its_adapter_version_and_the_base_none(world):
+    messages = [{"role": "user", "content": "hi"}]
+    with client(world, "key-all") as c:
+        whole = c.chat.completions.with_raw_response.create(model="support", messages=messages, max_tokens=2)
+        pinned = c.completions.with_raw_response.create(model="chat@v1", prompt="hi", max_tokens=2)
+        base = c.completions.with_raw_response.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+    assert whole.headers[VERSION_HEADER] == "v1" and pinned.headers[VERSION_HEADER] == "v1"
+    assert VERSION_HEADER not in base.headers
 
 
 def test_a_client_leaving_mid_stream_frees_its_sequence(world, engine):

@@ -47,6 +47,7 @@ from loraplane.http.streaming import TokenTexts, Usages, chat_logprobs, collect,
 router = APIRouter()
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+VERSION_HEADER = "X-Loraplane-Adapter-Version"  # the adapter version that answered (fixed at arrival)
 COMPLETIONS_DEFAULT_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to all the room left
 )
@@ -71,6 +72,15 @@ async def retrieve_model(
         card = ModelCard(id=model_id, created=state.models.created, root=base, parent=base,
                          version=target.version)  # fmt: skip
     return card
+
+
+def _served_by(target: Target, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Response headers: ``extra``, plus the version an adapter request runs on, so that a client can tell
+    which version of an alias answered across a switch (absent for the base)."""
+    headers = dict(extra or {})
+    if target.version is not None:
+        headers[VERSION_HEADER] = target.version
+    return headers
 
 
 def _target(request: Request, state: ServerState, model: str, principal: Principal) -> Target:
@@ -138,9 +148,11 @@ async def _collect(request: Request, state: ServerState, choices: Choices, promp
         raise from_engine_value_error(exc, prompt_param) from None
 
 
-def _sse(request: Request, state: ServerState, request_id: str, choices: Choices, render: Streams):
+def _sse(
+    request: Request, state: ServerState, target: Target, request_id: str, choices: Choices, render: Streams
+):
     events = sse(request, state.engine, request_id, choices, render)
-    return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+    return StreamingResponse(events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS))
 
 
 @router.post("/chat/completions")
@@ -163,7 +175,7 @@ async def chat_completions(
         head = Head(request_id, body.model, created, Usages(), options.continuous_usage_stats)
         render = Streams(head, body.n, options.include_usage,
                          lambda i: ChatStream(head, i, num_logprobs, texts))  # fmt: skip
-        return _sse(request, state, request_id, choices, render)
+        return _sse(request, state, target, request_id, choices, render)
     results, usage = await _collect(request, state, choices, "messages")
     answers = []
     for index, result in enumerate(results):
@@ -173,7 +185,7 @@ async def chat_completions(
         answers.append(ChatChoice(index=index, message=ResponseMessage(content=result.text), logprobs=logprobs,
                                   finish_reason=result.finish_reason, stop_reason=result.stop_reason))  # fmt: skip
     response = ChatCompletion(id=request_id, created=created, model=body.model, choices=answers, usage=usage)
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=_served_by(target))
 
 
 @router.post("/completions")
@@ -202,7 +214,7 @@ async def completions(
         head = Head(request_id, body.model, created, Usages(), options.continuous_usage_stats)
         render = Streams(head, body.n, options.include_usage,
                          lambda i: CompletionStream(head, i, body.logprobs, texts, echo))  # fmt: skip
-        return _sse(request, state, request_id, choices, render)
+        return _sse(request, state, target, request_id, choices, render)
     results, usage = await _collect(request, state, choices, "prompt")
     answers = []
     for index, result in enumerate(results):
@@ -212,4 +224,4 @@ async def completions(
         answers.append(CompletionChoice(index=index, text=echo + result.text, logprobs=logprobs,
                                         finish_reason=result.finish_reason, stop_reason=result.stop_reason))  # fmt: skip
     response = Completion(id=request_id, created=created, model=body.model, choices=answers, usage=usage)
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=_served_by(target))

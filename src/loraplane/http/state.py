@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse
 
 from loraplane.engine.api import EngineInfo
 from loraplane.engine.core.async_engine import AsyncEngine
+from loraplane.http.adapters import AdapterRegistry
 from loraplane.http.auth import OPEN, ApiKeys, Principal
 from loraplane.http.errors import AUTHENTICATION, APIError
 from loraplane.http.limits import KeyLimits
@@ -30,7 +31,7 @@ class ServerState:
     api_keys: ApiKeys | None
     metrics: Metrics
     limits: KeyLimits = field(default_factory=KeyLimits)
-    adapters: object | None = None  # the admin side's AdapterManager, once an admin app exists
+    adapters: AdapterRegistry | None = None  # the admin side's, once an admin app exists
 
     @property
     def max_model_len(self) -> int:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from loraplane.engine.api import AdapterError
 from loraplane.engine.lora.layers import PROJECTIONS, LoRALinear, LoRAStepState
 
 
@@ -110,7 +111,10 @@ class AdapterMerger:
             (top, run) if top is not None and top_n >= self.policy.merge_share * total else (None, 0)
         )
         if self.active is None and self._streak[0] is not None and self._streak[1] >= self.policy.after_steps:
-            self.merge(self._streak[0])
+            try:
+                self.merge(self._streak[0])
+            except AdapterError:  # not resident and cannot be made so: the step runs unmerged and says why
+                self._streak = (None, 0)
         merged = self.active is not None and tokens.get(self.active, 0) == total
         self.stats["merged_steps"] += merged
         return merged
@@ -135,19 +139,19 @@ class AdapterMerger:
         self.active = None
 
     def _write(self, slots: dict[str, int]) -> None:
-        """W'[cols of m] = W + scale · B_m @ A_m for each PEFT module m the adapter has, in fp32, rounded once."""
+        """W'[cols of m] = W + scale · B_m @ A_m for each PEFT module m the adapter has, other columns = W.
+        One GEMM per module writes W' straight from W (``addmm``: W read once, the sum accumulated in fp32
+        and rounded once), so a merge moves about one read of W and one write of W' per targeted module."""
         pools = self.state.pools
         rows = {m: pools[m].rows_of(s) for m, s in slots.items()}  # [r_m] physical rank-rows, every layer
         for i, layer in enumerate(self.model.model.layers):
             for parent_name, proj in PROJECTIONS:
                 lin = getattr(getattr(layer, parent_name), proj)
                 w, w_merged = lin.base_layer.weight, self.weights[(i, proj)]  # [out, in]
-                w_merged.copy_(w)
                 for m, c0, c1 in lin.slices:
                     if m not in slots:
+                        w_merged[c0:c1].copy_(w[c0:c1])
                         continue
-                    a = pools[m].a[(i, m)][0, rows[m]].float()  # [r, in]
-                    bt = pools[m].bt[(i, m)][rows[m]].float()  # [r, out]
-                    scale = pools[m].scale_of(slots[m])
-                    merged = torch.addmm(w[c0:c1].float(), bt.t(), a, alpha=scale)  # [out, in]
-                    w_merged[c0:c1].copy_(merged)
+                    a = pools[m].a[(i, m)][0, rows[m]]  # [r, in]
+                    bt = pools[m].bt[(i, m)][rows[m]]  # [r, out]
+                    torch.addmm(w[c0:c1], bt.t(), a, alpha=pools[m].scale_of(slots[m]), out=w_merged[c0:c1])

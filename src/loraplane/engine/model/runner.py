@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import torch
 
 from loraplane.engine.lora.layers import LoRAStepState, build_pools, pool_row_bytes, wrap_model
-from loraplane.engine.lora.manager import AdapterManager
+from loraplane.engine.lora.manager import AdapterTiers
 from loraplane.engine.lora.merge import AdapterMerger, MergePolicy
 from loraplane.engine.lora.residency import NullResidency
 from loraplane.engine.memory.pool import UnifiedGpuTier, build_unified, chunk_blocks_for
@@ -136,7 +136,7 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------ adapters
     def _init_lora(self) -> None:
         """Adapter pools (one per PEFT module), the LoRA wrappers and the registry / residency."""
-        self.lora: AdapterManager | None = None
+        self.lora: AdapterTiers | None = None
         self.lora_state: LoRAStepState | None = None
         self.residency = NullResidency()
         cfg = self.config
@@ -166,7 +166,7 @@ class ModelRunner:
         graph_bs = 0
         if self.device.type == "cuda" and not cfg.enforce_eager:
             graph_bs = max((s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs), default=0)
-        self.lora = AdapterManager(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
+        self.lora = AdapterTiers(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
                                    host_bytes=cfg.lora_host_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs,
                                    graph_batch_size=graph_bs, gpu_tier=gpu_tier)  # fmt: skip
