@@ -24,7 +24,8 @@ from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan, pag
 from loraplane.engine.model.cuda_graphs import DecodeGraphs, graph_family
 from loraplane.engine.model.model import CausalLM
 from loraplane.engine.model.model_config import ModelConfig
-from loraplane.engine.model.sampler import SamplingMetadata, sample
+from loraplane.engine.model.sampler import sample
+from loraplane.engine.model.sampling_batch import SamplingBatch
 from loraplane.engine.model.weights import base_hash, load_model
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -121,8 +122,7 @@ class ModelRunner:
         self._allocate_kv_cache()
         if self.merger is not None:
             self.merger.bind(self.lora, self.lora_state)
-        self.generators: dict[int, torch.Generator] = {}
-        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampling = SamplingBatch(self.vocab_size, self.eos_token_ids, self.device, config.seed)
         self.graphs: DecodeGraphs | None = None
         self.base_graphs: DecodeGraphs | None = None
         self.merged_graphs: DecodeGraphs | None = None
@@ -350,30 +350,6 @@ class ModelRunner:
             meta.decode_rows = None if decode_only else flat[cuts[4] :]
         return StepInputs(flat[:T], flat[Tp : cuts[0]], meta, flat[cuts[2] : cuts[3]], decode_only)
 
-    def _sampling_metadata(self, batch) -> SamplingMetadata:
-        params = [c.seq.sampling for c in batch.chunks if c.sample]
-        seqs = [c.seq for c in batch.chunks if c.sample]
-        gens: list[torch.Generator | None] = []
-        for seq, p in zip(seqs, params, strict=True):
-            if p.seed is None or p.temperature == 0:
-                gens.append(None)
-                continue
-            if seq.seq_id not in self.generators:
-                self.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(p.seed)
-            gens.append(self.generators[seq.seq_id])
-        all_greedy = all(p.temperature == 0 for p in params)
-        dev = torch.device("cpu") if all_greedy else self.device
-        return SamplingMetadata(
-            temperatures=torch.tensor([float(p.temperature) for p in params], dtype=torch.float32).to(dev),
-            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64).to(dev),
-            top_ps=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32).to(dev),
-            all_greedy=all_greedy,
-            any_top_k=any(p.top_k > 0 and p.temperature > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
-            generators=gens,
-            num_logprobs=[p.logprobs for p in params],
-        )
-
     # ---------------------------------------------------------------------------------------- step
     @torch.inference_mode()
     def forward_logits(self, batch) -> torch.Tensor:
@@ -425,12 +401,16 @@ class ModelRunner:
         logits = self.forward_logits(batch)
         if logits.shape[0] == 0:
             return []
-        out = sample(logits, self._sampling_metadata(batch), self.default_generator)
+        meta = self.sampling.metadata([c.seq for c in batch.chunks if c.sample])
+        out = sample(logits, meta, self.sampling.default_generator)
         return [
             SampledToken(t, lp, top)
             for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)
         ]
 
+    @property
+    def generators(self) -> dict[int, torch.Generator]:
+        return self.sampling.generators
+
     def release(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self.generators.pop(seq_id, None)
+        self.sampling.release(seq_ids)
