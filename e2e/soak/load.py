@@ -58,6 +58,11 @@ class Ledger:
         with self._lock:
             self.applied.setdefault(name, []).append((at, version))
 
+    def retract(self, name: str, version: str) -> None:
+        """A version whose spec change failed never became current."""
+        with self._lock:
+            self.applied[name] = [(t, v) for t, v in self.applied[name] if v != version]
+
     def mark_ready(self, name: str, version: str, at: float) -> None:
         with self._lock:
             self.ready_at.setdefault((name, version), at)

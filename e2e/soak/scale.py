@@ -14,11 +14,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
@@ -29,6 +32,7 @@ from loraplane.artifacts.pack import pack_folder, push_folder, sign_folder
 from tests.adapter_factory import make_peft_folder
 
 API = "loraplane.dev/v1alpha1"
+MERGE_PATCH = "application/merge-patch+json"
 
 
 def publish_many(stack, names: list[str], version: str, seed: int, workers: int = 4) -> dict[str, str]:
@@ -55,11 +59,23 @@ def manifest(stack, name: str, uri: str, version: str) -> dict:
             "spec": {"baseRef": {"name": BASE}, "source": {"uri": uri}, "version": version}}  # fmt: skip
 
 
-def apply_all(stack, docs: list[dict], chunk: int = 250) -> None:
-    """kubectl apply, in chunks of ``chunk`` documents (one kubectl per chunk, run back to back)."""
-    for i in range(0, len(docs), chunk):
-        stack.plane.kubectl("apply", "-f", "-", input="\n---\n".join(json.dumps(d) for d in docs[i : i + chunk]),
-                            timeout=600)  # fmt: skip
+def create_all(stack, docs: list[dict], workers: int = 8) -> None:
+    """POST every LoRAAdapter at once (``workers`` in flight), as a user's `kubectl apply` of new objects."""
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(stack.plane.create, docs))
+
+
+def patch_all(stack, specs: dict[str, dict], workers: int = 8) -> None:
+    """A merge patch of each named LoRAAdapter's spec, all at once."""
+
+    def one(item: tuple[str, dict]) -> None:
+        path = stack.plane.path(API, "LoRAAdapter", item[0], stack.namespace)
+        status, body = stack.plane.request("PATCH", path, {"spec": item[1]}, content_type=MERGE_PATCH)
+        if status != 200:
+            raise RuntimeError(f"patching {item[0]}: {status} {body[:200]!r}")
+
+    with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, specs.items()))
 
 
 def ready_count(stack, wanted: dict[str, str]) -> tuple[int, list[str]]:
@@ -186,41 +202,46 @@ def wait_ready(stack, wanted: dict[str, str], bound: float, curve: list) -> dict
         time.sleep(5)
 
 
-def measure(stack, count: int, bump: int, bound: float, idle_s: float, log) -> dict:
-    wait_base(stack, 2)
+def measure(stack, count: int, bump: int, bound: float, idle_s: float, result: dict, save, log) -> None:
+    """Run the phases, appending each to ``result["phases"]`` and calling ``save()`` after each."""
+    wait_base(stack, 2, timeout=900)
     names = [f"s{i:04d}" for i in range(count)]
     log(f"publishing {count} signed adapters")
     t = time.monotonic()
     uris = publish_many(stack, names, "v1", seed=0)
-    log(f"published in {time.monotonic() - t:.0f} s; bump artifacts next")
     bumped = names[:: max(1, count // bump)][:bump]
     uris2 = publish_many(stack, bumped, "v2", seed=100_000)
+    result.update(publish_s=round(time.monotonic() - t, 1), bumped=len(bumped))
+    log(f"published {count} + {len(bumped)} in {result['publish_s']} s")
     probe = OperatorProbe(stack)
-    phases, curves = [], {}
+    phases, curves = result["phases"], result["curves"]
 
     phase = Phase(stack, probe, f"create {count}")
-    apply_all(stack, [manifest(stack, n, uris[n], "v1") for n in names])
+    create_all(stack, [manifest(stack, n, uris[n], "v1") for n in names])
     applied_s = round(time.monotonic() - phase.t0, 1)
     wanted = dict.fromkeys(names, "v1")
-    result = wait_ready(stack, wanted, bound, curves.setdefault("create", []))
-    phases.append(phase.done(applied_s=applied_s, **result, disagreements=agreement(stack, wanted)[:20]))
-    log(f"create: {phases[-1]['wall_s']} s, ready {result['ready']}/{count}")
+    ready = wait_ready(stack, wanted, bound, curves.setdefault("create", []))
+    phases.append(phase.done(applied_s=applied_s, **ready, disagreements=agreement(stack, wanted)[:20]))
+    save()
+    log(f"create: {phases[-1]['wall_s']} s, ready {ready['ready']}/{count}")
 
     phase = Phase(stack, probe, f"idle {idle_s:.0f} s")
     time.sleep(idle_s)
     phases.append(phase.done())
+    save()
 
     phase = Phase(stack, probe, f"bump {len(bumped)}")
-    apply_all(stack, [manifest(stack, n, uris2[n], "v2") for n in bumped])
+    patch_all(stack, {n: manifest(stack, n, uris2[n], "v2")["spec"] for n in bumped})
     wanted.update(dict.fromkeys(bumped, "v2"))
-    result = wait_ready(stack, {n: "v2" for n in bumped}, bound, curves.setdefault("bump", []))
-    phases.append(phase.done(**result, disagreements=agreement(stack, wanted)[:20]))
+    ready = wait_ready(stack, {n: "v2" for n in bumped}, bound, curves.setdefault("bump", []))
+    phases.append(phase.done(**ready, disagreements=agreement(stack, wanted)[:20]))
+    save()
     log(f"bump: {phases[-1]['wall_s']} s")
 
     phase = Phase(stack, probe, f"delete {count}")
-    stack.plane.kubectl("delete", "loraadapters", "--all", "-n", stack.namespace, "--wait=false", timeout=600)
-    t0 = time.monotonic()
-    left = count
+    status, body = stack.plane.request("DELETE", stack.plane.path(API, "LoRAAdapter", "", stack.namespace))
+    assert status == 200, f"deleting every LoRAAdapter: {status} {body[:300]!r}"
+    t0, left = time.monotonic(), count
     while left and time.monotonic() - t0 < bound:
         time.sleep(5)
         left = len(stack.plane.list(API, "LoRAAdapter", stack.namespace))
@@ -229,8 +250,7 @@ def measure(stack, count: int, bump: int, bound: float, idle_s: float, log) -> d
     phases.append(phase.done(left=left, still_loaded_on_pods=len(loaded)))
     log(f"delete: {phases[-1]['wall_s']} s, {left} left")
     probe.stop.set()
-    return {"adapters": count, "bumped": len(bumped), "bound_s": bound, "phases": phases, "curves": curves,
-            "operator_pods": [p["metadata"]["name"] for p in operator_pods(stack)]}  # fmt: skip
+    result["operator_pods"] = [p["metadata"]["name"] for p in operator_pods(stack)]
 
 
 def markdown(result: dict) -> str:
@@ -258,20 +278,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--workdir", type=Path)
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: every process of the stack is stopped
 
     def log(line: str) -> None:
         print(time.strftime("%H:%M:%S"), line, flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="loraplane-scale-") as scratch:
-        with started_stack(args.workdir or Path(scratch)) as stack:
-            result = measure(stack, args.adapters, args.bump, args.bound, args.idle, log)
-    result["command"] = "python -m e2e.soak.scale " + " ".join(sys.argv[1:] if argv is None else argv)
-    result["when"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    result["machine"] = "2 shared CPU cores (other jobs running), no GPU"
+    command = "python -m e2e.soak.scale " + " ".join(sys.argv[1:] if argv is None else argv)
+    result = {"adapters": args.adapters, "bound_s": args.bound, "command": command,
+              "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": f"{os.cpu_count()} CPU cores shared with other jobs, no GPU", "phases": [], "curves": {}}  # fmt: skip
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"scale-{args.adapters}.json").write_text(json.dumps(result, indent=1))
-    (args.out / f"scale-{args.adapters}.md").write_text(markdown(result))
-    log(markdown(result))
+
+    def save() -> None:
+        (args.out / f"scale-{args.adapters}.json").write_text(json.dumps(result, indent=1))
+        (args.out / f"scale-{args.adapters}.md").write_text(markdown(result))
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="loraplane-scale-") as scratch:
+            with started_stack(args.workdir or Path(scratch)) as stack:
+                measure(stack, args.adapters, args.bump, args.bound, args.idle, result, save, log)
+    except BaseException as exc:  # the phases measured so far are kept, with what stopped the rest
+        result["error"] = "".join(traceback.format_exception(exc))[-3000:]
+        raise
+    finally:
+        save()
+        log(markdown(result))
     create = result["phases"][0]
     return 0 if create["all_ready_s"] is not None and create["all_ready_s"] <= 600 else 1
 

@@ -1,7 +1,7 @@
 """The soak's plan and its two actors.
 
-- ``Roller`` (one thread): a new signed version of one adapter every ``bump_every_s`` (round robin), rolled out
-  by the operator; and the liveness canary, a trivial spec change (`spec.rollout.maxUnavailable` 1 <-> 2) every
+- ``Roller`` (one thread): a new signed version of one adapter every ``bump_every_s`` (round robin: a merge
+  patch of its spec, as `kubectl apply` sends), rolled out by the operator; and the liveness canary, a trivial spec change (`spec.rollout.maxUnavailable` 1 <-> 2) every
   ``canary_every_s``, whose status write the monitor waits for.
 - ``Faults`` (one thread): a server Pod killed every ``kill_every_s`` (the youngest ready one, through the
   kubelet stand-in: its process stopped, the Pod evicted, the ReplicaSet replaces it), and the operator's Pod
@@ -109,11 +109,30 @@ class Roller:
             self.stack, name, version, seed=1000 * self._versions[name] + self.names.index(name)
         )
         t = time.monotonic()
-        self.ledger.apply(name, version, t)  # before the apply: no switch can precede it
-        self.stack.apply(manifest)
+        self.ledger.apply(name, version, t)  # before the change: no switch can precede it
+        path = self.stack.plane.path(API, "LoRAAdapter", name, self.stack.namespace)
+        try:
+            status, answer = self.stack.plane.request(
+                "PATCH", path, {"spec": manifest["spec"]}, content_type=MERGE_PATCH
+            )
+        except OSError as exc:  # no answer: the spec is read back to settle whether it changed
+            status, answer = self._settle(name, version, exc)
+        if status != 200:
+            self.ledger.retract(name, version)
+            raise RuntimeError(f"new version of {name}: {status} {answer[:200]!r}")
         self.events.append(
             {"kind": "bump", "t": round(t - self.start, 2), "adapter": name, "version": version}
         )
+
+    def _settle(self, name: str, version: str, exc: OSError) -> tuple[int, bytes]:
+        """After a PATCH that got no answer: 200 if the spec holds ``version`` now, else the error."""
+        for _ in range(10):
+            try:
+                spec = self.stack.get("LoRAAdapter", name)["spec"]
+                return (200, b"") if spec["version"] == version else (0, repr(exc).encode())
+            except (OSError, RuntimeError):
+                time.sleep(3)
+        return 0, repr(exc).encode()
 
     def poke_canary(self, why: str) -> None:
         """The trivial spec change; the monitor records when its generation's status write lands."""

@@ -101,9 +101,9 @@ def base_manifest(stack: Stack, replicas: int) -> dict:
     return manifest
 
 
-def wait_base(stack: Stack, replicas: int) -> list[dict]:
+def wait_base(stack: Stack, replicas: int, timeout: float = POD_START) -> list[dict]:
     stack.apply(base_manifest(stack, replicas))
-    return wait_for(lambda: len(stack.ready_pods(BASE)) == replicas and stack.ready_pods(BASE), POD_START,
+    return wait_for(lambda: len(stack.ready_pods(BASE)) == replicas and stack.ready_pods(BASE), timeout,
                     f"{replicas} server Pods Ready\n{stack.logs()}")  # fmt: skip
 
 
