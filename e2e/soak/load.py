@@ -24,8 +24,9 @@ KEEP_FAILURES = 200  # the report keeps the first failures of each kind in full
 class Endpoints:
     """The ready server Pods (name, IP), refreshed from the API twice a second: a Service's endpoints."""
 
-    def __init__(self, stack):
-        self.stack = stack
+    def __init__(self, stack, origin: float = 0.0):
+        self.stack, self.origin = stack, origin
+        self.first_ready: dict[str, float] = {}  # pod name -> when it first joined (seconds since origin)
         self._pods: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._turn = itertools.count()
@@ -35,6 +36,8 @@ class Endpoints:
                 if is_ready(p) and p["status"].get("podIP")]  # fmt: skip
         with self._lock:
             self._pods = sorted(pods)
+            for name, _ in pods:
+                self.first_ready.setdefault(name, round(time.monotonic() - self.origin, 2))
 
     def pick(self, avoid: str | None = None) -> tuple[str, str] | None:
         with self._lock:

@@ -27,7 +27,14 @@ from e2e.soak.world import (
 )
 from e2e.stack import wait_for
 
-SETUP_BOUND = 600.0  # the first convergence: 21 adapters pulled, loaded and warmed on two CPU Pods
+SETUP_BOUND = 600.0
+PARTIAL_EVERY_S = 300.0  # a long run writes report.partial.json (checks so far) this often
+IN_PROGRESS = {
+    "converged": False,
+    "waited_s": 0,
+    "lagging": ["the run is still in progress"],
+    "caches": {},
+}  # the first convergence: 21 adapters pulled, loaded and warmed on two CPU Pods
 
 
 def run(plan: Plan, out: Path, workdir: Path, log=print, plane=None, model_dir: Path | None = None) -> dict:
@@ -50,17 +57,17 @@ def run(plan: Plan, out: Path, workdir: Path, log=print, plane=None, model_dir: 
         wait_for(lambda: monitor.poll().converged, SETUP_BOUND, "the first convergence", interval=2)
         setup_s = round(time.monotonic() - setup_began, 1)
         log(f"converged in {setup_s} s; load starts for {plan.minutes} min")
-        report = _soak(stack, plan, ledger, monitor, names, base_model, log)
+        report = _soak(stack, plan, ledger, monitor, names, base_model, log, out)
         report["setup_converged_s"] = setup_s
     return _write(report, out)
 
 
 def _soak(
-    stack, plan: Plan, ledger: Ledger, monitor: Monitor, names: list[str], base_model: str, log
+    stack, plan: Plan, ledger: Ledger, monitor: Monitor, names: list[str], base_model: str, log, out: Path
 ) -> dict:
     start = time.monotonic()
     monitor.origin = start
-    endpoints = Endpoints(stack)
+    endpoints = Endpoints(stack, start)
     endpoints.refresh()
     refresher_stop = threading.Event()
 
@@ -83,13 +90,23 @@ def _soak(
     roller.thread.start()
     faults.thread.start()
     try:
-        deadline = start + plan.duration_s
+        deadline, last_partial = start + plan.duration_s, time.monotonic()
         while time.monotonic() < deadline:
             time.sleep(min(30.0, max(0.0, deadline - time.monotonic())))
             c = tally.counts
-            log(f"{time.monotonic() - start:6.0f} s: {c['answers']} answers, {c['retried']} retried, "
+            log(
+                f"{time.monotonic() - start:6.0f} s: {c['answers']} answers, {c['retried']} retried, "
                 f"{c['failed']} failed, {c['wrong_version']} wrong; faults {len(faults.events)}, "
-                f"bumps {len(roller.events)}, errors {roller.errors + faults.errors}")  # fmt: skip
+                f"bumps {len(roller.events)}, errors {roller.errors + faults.errors}"
+            )
+            if time.monotonic() - last_partial >= PARTIAL_EVERY_S:
+                last_partial = time.monotonic()
+                try:
+                    partial = _report(plan, tally, monitor, sampler, roller, faults, IN_PROGRESS,
+                                      time.monotonic() - start, endpoints)  # fmt: skip
+                    _write(partial, out, "report.partial.json")
+                except Exception as exc:  # noqa: BLE001 - a partial report must never stop the run
+                    log(f"partial report failed: {exc!r}")
     finally:
         roller.stop.set()
         faults.stop.set()
@@ -101,7 +118,7 @@ def _soak(
         stopper.set()
     monitor.thread.join(30)
     sampler.thread.join(30)
-    return _report(plan, tally, monitor, sampler, roller, faults, final, time.monotonic() - start)
+    return _report(plan, tally, monitor, sampler, roller, faults, final, time.monotonic() - start, endpoints)
 
 
 def _final(stack, monitor: Monitor, plan: Plan) -> dict:
@@ -114,11 +131,11 @@ def _final(stack, monitor: Monitor, plan: Plan) -> dict:
             "lagging": [] if at is not None else last.lagging, "caches": caches}  # fmt: skip
 
 
-def _report(plan, tally, monitor, sampler, roller, faults, final, elapsed: float) -> dict:
+def _report(plan, tally, monitor, sampler, roller, faults, final, elapsed: float, endpoints) -> dict:
     kills = [f for f in faults.events if f["kind"] == "kill_pod"]
     planned = {"kill_pod": len(plan.kill_times()), "restart_operator": len(plan.restart_times())}
     checks = [
-        *V.request_checks(tally, kills),
+        *V.request_checks(tally, kills, endpoints.first_ready),
         *V.fault_checks(faults.events, planned),
         *V.canary_checks(roller.canaries, monitor.canary_writes, monitor.snapshots, plan.canary_bound_s),
         *V.trend_checks(sampler.samples, plan.warmup_s, elapsed),
@@ -143,6 +160,7 @@ def _report(plan, tally, monitor, sampler, roller, faults, final, elapsed: float
             "failed": tally.failed[:50],
         },  # fmt: skip
         "faults": faults.events,
+        "pods_joined": endpoints.first_ready,
         "bumps": roller.events,
         "canaries": roller.canaries,
         "monitor_poll_errors": monitor.errors[:30],
@@ -165,10 +183,10 @@ def timeline(snapshots) -> list[dict]:
     return changes
 
 
-def _write(report: dict, out: Path) -> dict:
+def _write(report: dict, out: Path, name: str = "report.json") -> dict:
     samples = report.pop("_samples")
     (out / "samples.json").write_text(json.dumps(samples))
     plot(report, samples, out / "soak.png")
     report["plot"] = "soak.png"
-    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    (out / name).write_text(json.dumps(report, indent=1, default=str))
     return report

@@ -12,6 +12,7 @@ last quarter at most a small slack above the median of its first quarter.
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 LONG_WINDOW_S = 30 * 60
 LONG_SLOPE = 0.01  # of the level, per hour
@@ -91,24 +92,36 @@ def trend_checks(samples: list[dict], warmup_s: float, end: float) -> list[dict]
     return checks
 
 
-def attributed(first: dict, kills: list[dict]) -> str | None:
-    """The kill a first attempt's failure belongs to: its Pod was killed around then."""
+def attributed(first: dict, kills: list[dict], joined: dict[str, float]) -> str | None:
+    """Why a first attempt failed, when a Pod kill explains it: ``killed`` (its Pod was killed around then) or
+    ``replacement`` (a 404 from a Pod that joined after a kill, before the operator had loaded the adapter on
+    it: the Pod is Ready once its base is loaded, so a Service sends it traffic for adapters still loading)."""
     for kill in kills:
         lo, hi = kill["t"] + KILL_WINDOW[0], kill["t"] + KILL_WINDOW[1]
         if first.get("pod") == kill["victim"] and lo <= first.get("at", -1e9) <= hi:
-            return kill["victim"]
+            return "killed"
+        joined_at = joined.get(first.get("pod"), -1e9)
+        fresh = (
+            kill["t"] <= joined_at <= kill["t"] + kill["bound_s"] and first.get("at", 1e9) <= joined_at + 60
+        )
+        error = first.get("error", "")
+        if fresh and ("404" in error or "NotFound" in error):
+            return "replacement"
     return None
 
 
-def request_checks(tally, kills: list[dict]) -> list[dict]:
+def request_checks(tally, kills: list[dict], joined: dict[str, float]) -> list[dict]:
     counts = tally.counts
-    unexplained = [r for r in tally.retried if attributed(r["first"], kills) is None]
+    causes = Counter(attributed(r["first"], kills, joined) for r in tally.retried)
+    unexplained = [r for r in tally.retried if attributed(r["first"], kills, joined) is None]
     return [
         check("no_failed_request", counts["failed"] == 0, "zero requests failed after the one retry",
               failed=counts["failed"], examples=tally.failed[:5]),
-        check("retries_only_for_killed_pods", not unexplained,
-              f"every retried request's first attempt failed on a Pod killed {KILL_WINDOW} s around it",
-              retried=counts["retried"], unexplained=len(unexplained), examples=unexplained[:5]),
+        check("retries_only_after_pod_kills", not unexplained,
+              f"every retried request's first attempt failed on a Pod killed {KILL_WINDOW} s around it, or with a "
+              "404 from the Pod that replaced it within a minute of its joining",
+              retried=counts["retried"], causes={str(k): v for k, v in causes.items()},
+              unexplained=len(unexplained), examples=unexplained[:5]),
         check("no_wrong_version", counts["wrong_version"] == 0,
               "each answer's version is the one current at the request's start, or the one before during the switch",
               wrong=counts["wrong_version"], examples=tally.wrong_version[:5]),
