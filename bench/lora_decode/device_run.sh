@@ -17,4 +17,4 @@ if [ -z "$SKIP_TESTS" ]; then
     (cd /tmp && timeout 300 "${PT[@]}" -m gpu "$R/tests/kernels" 2>&1 | tail -30 | tee -a "$O/lora-decode-gpu-tests.txt")
   fi
 fi
-timeout 300 python3 bench/run.py lora_decode --out "$O" "$@" 2>&1 | tee "$O/lora-decode-bench.log" | grep -v '^{'
+timeout 300 python3 bench/run.py lora_decode --out "$O" --name lora-decode "$@" 2>&1 | tee "$O/lora-decode-bench.log" | grep -v '^{'
