@@ -121,6 +121,12 @@ class FakeRunner:
     one.
     """
 
+    # The Runner protocol's facts and optional capabilities (tests set ``residency`` to drive adapters).
+    device, dtype = "cpu", "float32"
+    memory = None
+    residency = None
+    lora = None
+
     def __init__(
         self,
         num_kv_blocks: int = 64,
@@ -194,6 +200,9 @@ class FakeRunner:
 
     def release(self, seq_ids) -> None:
         self.released.extend(seq_ids)
+
+    def warm_adapter(self, key: str) -> float:
+        raise AssertionError("the engine warms adapters only on a runner with lora")
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from openai import OpenAI
 
 from loraplane.serve import demo
 from loraplane.serve import main as serve
+from loraplane.serve.options import options_from_args
 from tests.adapter_factory import build_signed_adapter, make_keys, make_peft_folder
 from tests.http.conftest import API_KEY, ServerThread
 
@@ -141,8 +142,16 @@ def test_serve_adapter_flag_without_keys_takes_an_unsigned_folder_and_warns(
 
 def test_adapter_flag_parses_and_names_its_field(tiny_chat_model_dir, tmp_path):
     args = serve.build_parser().parse_args(["--model", str(tiny_chat_model_dir), "--adapter", f"a={tmp_path}",
-                                            "--adapter", f"b={tmp_path}"])  # fmt: skip
-    assert args.adapter == [("a", str(tmp_path)), ("b", str(tmp_path))]
+                                            "--adapter", f"b={tmp_path}:pin"])  # fmt: skip
+    assert args.adapter == [("a", str(tmp_path), False), ("b", str(tmp_path), True)]
+    options = options_from_args(args, str(tiny_chat_model_dir), None)
+    assert options.adapters == (("a", str(tmp_path)), ("b", str(tmp_path))) and options.pinned_adapters == (
+        "b",
+    )
+    with pytest.raises(ValueError, match="pinned_adapters: 'c'"):
+        serve.ServeOptions(
+            model=str(tiny_chat_model_dir), adapters=(("a", str(tmp_path)),), pinned_adapters=("c",)
+        )
     for adapters, match in [((("Bad", str(tmp_path)),), "adapter: 'Bad'"), ((("a", "/nope"),), "not a folder"),
                             ((("a", str(tmp_path)), ("a", str(tmp_path))), "given twice")]:  # fmt: skip
         with pytest.raises(ValueError, match=match):

@@ -46,6 +46,8 @@ def build_engine(options: ServeOptions, tokenizer):
         config = dataclasses.replace(config, gpu_memory_utilization=options.kv_cache_fraction)
     if options.memory_mode is not None:
         config = dataclasses.replace(config, memory_mode=options.memory_mode)
+    if options.lora_merge:
+        config = dataclasses.replace(config, lora_merge=True)
     adapters = {"max_lora_rank": options.max_rank, "lora_pool_bytes": options.gpu_adapter_bytes,
                 "lora_host_bytes": options.host_adapter_bytes}  # fmt: skip
     config = dataclasses.replace(config, **{k: v for k, v in adapters.items() if v is not None})
@@ -101,10 +103,12 @@ def trusted_keys(options: ServeOptions) -> dict[str, bytes]:
 
 
 async def prepare(app) -> None:
-    """Before serving: load, warm and route the local adapters (``--adapter name=DIR``)."""
+    """Before serving: load and route the local adapters (``--adapter name=DIR[:pin]``). Each is parsed
+    (validated) into the host tier, whose limit sends the least recently used back to disk; it is warmed to
+    the GPU while the pools have free room, and only a pinned one must fit there."""
     from loraplane.artifacts.errors import ArtifactError
     from loraplane.engine.api import AdapterError
-    from loraplane.http.sources import open_local_folder
+    from loraplane.serve.sources import open_local_folder
 
     state, options = app.state.server, app.state.options
     keys = app.state.trusted_keys
@@ -113,9 +117,10 @@ async def prepare(app) -> None:
     for name, folder in options.adapters:
         try:
             local = await asyncio.to_thread(open_local_folder, Path(folder), keys or None, state.info)
-            await state.engine.load_adapter(name, local.version, local.path, local.digest, pin=True,
+            pin = name in options.pinned_adapters
+            await state.engine.load_adapter(name, local.version, local.path, local.digest, pin=pin,
                                             expected_base_hash=state.info.base_hash)  # fmt: skip
-            await state.engine.warm_adapter(name, local.version, gpu=True)
+            await state.engine.warm_adapter(name, local.version, gpu=True, only_if_room=not pin)
             await state.engine.set_alias(name, local.version)
         except (ArtifactError, AdapterError) as exc:
             detail = f"{exc.field}: {exc.message}" if getattr(exc, "field", None) else exc.message
@@ -140,21 +145,21 @@ def _is_loopback(host: str) -> bool:
 
 def build_admin_app(app, token: str):
     """The admin app over ``app``'s state; it pulls adapters when the server has a host cache."""
-    from loraplane.http.adapters import AdapterManager
+    from loraplane.http.adapters import AdapterRegistry
     from loraplane.http.admin import create_admin_app
-    from loraplane.http.sources import S3Source
+    from loraplane.serve.sources import S3Source
 
     state = app.state.server
     options = getattr(app.state, "options", None)
-    manager = None
+    registry = None
     if options is not None and options.host_cache_dir is not None:
         source = S3Source.create(options.host_cache_dir, options.host_adapter_bytes,
                                  app.state.trusted_keys, state.engine.info)  # fmt: skip
-        manager = AdapterManager(state.engine, state.metrics, source.pull, source.release, source.pin)
+        registry = AdapterRegistry(state.engine, state.metrics, source.pull, source.release, source.pin)
         state.metrics.watch_engine(state.engine, source.cache)
     else:
         state.metrics.watch_engine(state.engine)
-    return create_admin_app(state, token, manager)
+    return create_admin_app(state, token, registry)
 
 
 async def serve_all(servers, before=None) -> None:

@@ -34,6 +34,7 @@ class ServeOptions:
     admin_token_file: str | None = None
     host_cache_dir: str | None = None  # the fetched base model and the adapters pulled from S3
     adapters: tuple[tuple[str, str], ...] = ()  # (name, local PEFT folder) served from the start
+    pinned_adapters: tuple[str, ...] = ()  # of those, the names kept GPU-resident (NAME=DIR:pin)
     log_format: str = "json"
     metrics_adapter_labels: int = 100  # distinct adapter label values in metrics; later ones are "other"
     max_rank: int | None = None
@@ -42,6 +43,7 @@ class ServeOptions:
     trusted_keys_dir: str | None = None
     tensor_parallel_size: int | None = None  # processes the base is split over, one GPU each (None: 1)
     memory_mode: str | None = None  # EngineConfig.memory_mode: "split" or "unified" (None: its default)
+    lora_merge: bool | None = None  # EngineConfig.lora_merge (None: its default, off)
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -105,6 +107,10 @@ class ServeOptions:
                 raise ValueError(f"adapter: {name}={folder}: not a folder")
             if names.count(name) > 1:
                 raise ValueError(f"adapter: {name!r} is given twice")
+        self.pinned_adapters = tuple(self.pinned_adapters)
+        for name in self.pinned_adapters:
+            if name not in names:
+                raise ValueError(f"pinned_adapters: {name!r} is not one of the adapters {names}")
         if self.log_format not in ("json", "text"):
             raise ValueError(f"log_format: must be json or text, got {self.log_format!r}")
         if not isinstance(self.metrics_adapter_labels, int) or self.metrics_adapter_labels < 0:
@@ -156,8 +162,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         type=_adapter_arg,
-        metavar="NAME=DIR",
-        help="serve the PEFT LoRA folder DIR as model NAME (repeatable); signed when --trusted-keys-dir is set",
+        metavar="NAME=DIR[:pin]",
+        help="serve the PEFT LoRA folder DIR as model NAME (repeatable); signed when --trusted-keys-dir is set. "
+        "It loads on demand and is warmed to the GPU while there is room; ':pin' keeps it GPU-resident",
     )
     parser.add_argument(
         "--metrics-adapter-labels",
@@ -167,11 +174,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _adapter_arg(value: str) -> tuple[str, str]:
+def _adapter_arg(value: str) -> tuple[str, str, bool]:
     name, sep, folder = value.partition("=")
+    pin = folder.endswith(":pin")
+    folder = folder.removesuffix(":pin")
     if not sep or not name or not folder:
-        raise argparse.ArgumentTypeError(f"expected NAME=DIR, got {value!r}")
-    return name, folder
+        raise argparse.ArgumentTypeError(f"expected NAME=DIR or NAME=DIR:pin, got {value!r}")
+    return name, folder, pin
 
 
 def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
@@ -187,6 +196,13 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("split", "unified"),
         help="split: KV cache and adapter pools have fixed sizes (default); unified: they share one GPU budget "
         "and the share follows the load",
+    )
+    pod.add_argument(
+        "--lora-merge",
+        action="store_true",
+        default=None,
+        help="merge a dominant adapter into a copy of the projection weights (its steps cost a base step; "
+        "the copy comes out of the KV cache)",
     )
     pod.add_argument(
         "--kv-cache-fraction", type=float, help="fraction of free GPU memory for weights + KV (0, 1]"
@@ -219,6 +235,7 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
             "trusted_keys_dir",
             "tensor_parallel_size",
             "memory_mode",
+            "lora_merge",
         )
     }
     return ServeOptions(
@@ -234,7 +251,8 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
         served_model_name=served_model_name,
         log_level=args.log_level,
         log_format=args.log_format,
-        adapters=tuple(args.adapter),
+        adapters=tuple((name, folder) for name, folder, _ in args.adapter),
+        pinned_adapters=tuple(name for name, _, pin in args.adapter if pin),
         metrics_adapter_labels=args.metrics_adapter_labels,
         **pod,
     )

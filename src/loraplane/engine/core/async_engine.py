@@ -2,7 +2,9 @@
 
 Only the engine thread touches the LLMEngine (no lock around the GPU step): callers hand it commands (add,
 abort) through a condition variable, and outputs come back to each request's event loop through
-loop.call_soon_threadsafe. The thread sleeps on the condition while there is no work. A client that stops
+loop.call_soon_threadsafe. The thread sleeps on the condition while there is no work, and also while every
+request waits for an adapter (a step that runs nothing): it then blocks until a load ends, a request
+arrives or is aborted, or a command comes, so it never spins against the loader. A client that stops
 reading (closes the stream, breaks out of its loop, or is cancelled) aborts its request, which frees the KV
 blocks. A request that fails on its own (refused on the engine thread, or failing inside a step) raises on
 its stream alone (RequestError for a failure inside a step) while the others go on. If the loop dies (a device
@@ -28,13 +30,10 @@ from typing import Any
 
 from loraplane.engine.api import MEMORY_USES, AdapterError, AdapterInfo, EngineInfo, StepStats, adapter_key
 from loraplane.engine.core.config import EngineConfig
-from loraplane.engine.core.llm_engine import LLMEngine, RequestError, RequestOutput
+from loraplane.engine.core.errors import EngineDeadError, RequestError
+from loraplane.engine.core.llm_engine import LLMEngine, RequestOutput
 from loraplane.engine.core.sequence import SamplingParams
 from loraplane.engine.model.detokenizer import TokenizerLike
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (it failed, or the engine was closed); no more outputs will come."""
 
 
 @dataclass(slots=True)
@@ -76,6 +75,10 @@ class AsyncEngine:
         self._closed = False
         self._adapter_of: dict[str, str] = {}  # request id -> adapter key, while the request lives
         self._step_listeners: list[Callable[[StepStats], None]] = []
+        self._woken = False  # a load ended since the loop last looked (guarded by _cond)
+        lora = self._lora(None)
+        if lora is not None:
+            lora.waker = self._wake
         self._thread = threading.Thread(target=self._run, name="loraplane-engine", daemon=True)
         self._thread.start()
 
@@ -153,13 +156,13 @@ class AsyncEngine:
 
             targets = TARGET_MODULES
         return EngineInfo(
-            base_hash=getattr(runner, "base_hash", "in-memory"),
+            base_hash=runner.base_hash,
             max_model_len=self.engine.max_model_len,
-            vocab_size=getattr(runner, "vocab_size", 0),
+            vocab_size=runner.vocab_size,
             max_lora_rank=self.engine.config.max_lora_rank if lora is not None else 0,
             target_modules=targets,
-            device=str(getattr(runner, "device", "cpu")),
-            dtype=str(getattr(runner, "dtype", "float32")).removeprefix("torch."),
+            device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
         )
 
     def adapters(self) -> list[AdapterInfo]:
@@ -180,36 +183,30 @@ class AsyncEngine:
         """Parse and validate a verified PEFT folder into the host tier (AdapterError on refusal).
         Idempotent per name@version and digest; another digest under the same name@version is a conflict."""
         lora = self._lora("adapter")
-        base = getattr(self.engine.runner, "base_hash", "in-memory")
+        base = self.engine.runner.base_hash
         if expected_base_hash is not None and expected_base_hash != base:
             raise AdapterError(
                 "BaseMismatch",
                 f"{name}@{version}: built for base {expected_base_hash}, this engine serves {base}",
             )
-        key = adapter_key(name, version)
-        with lora.lock:
-            old = lora.versions.get(key)
-        if old is None:
+        if not lora.is_registered(adapter_key(name, version)):
             start = time.perf_counter()
             weights = await asyncio.to_thread(lora.parse, Path(folder))
             return lora.register(name, version, Path(folder), digest, weights, pin=pin,
                                  load_s=time.perf_counter() - start)  # fmt: skip
         return lora.register(name, version, Path(folder), digest, None, pin=pin)
 
-    async def warm_adapter(self, name: str, version: str, *, gpu: bool = True) -> AdapterInfo:
-        """Make it GPU-resident and run one real forward through it (finite logits, else WarmFailed)."""
+    async def warm_adapter(self, name: str, version: str, *, gpu: bool = True,
+                           only_if_room: bool = False) -> AdapterInfo:  # fmt: skip
+        """Make it GPU-resident and run one real forward through it (finite logits, else WarmFailed).
+        ``only_if_room``: skip it (it stays on its tier, loaded on demand) unless the pools have free room."""
         lora, key = self._lora("adapter"), adapter_key(name, version)
         lora.get(key)
 
         def warm() -> AdapterInfo:
-            v = lora.get(key)
-            if gpu:
-                try:
-                    v.timings["warm"] = self.engine.runner.warm_adapter(key)
-                except AdapterError as error:
-                    v.state, v.error = "failed", f"{error.reason}: {error}"
-                    raise
-                v.state, v.error = "warm", None
+            if gpu and not (only_if_room and not lora.has_room_for(key)):
+                return self.engine.warm_adapter(key)
+            lora.get(key)  # AdapterNotFound once it is unloading
             return lora.info(key)
 
         return await self._on_engine_thread(warm)
@@ -233,7 +230,7 @@ class AsyncEngine:
         self._step_listeners.append(fn)
 
     def _lora(self, need: str | None):
-        lora = getattr(self.engine.runner, "lora", None)
+        lora = self.engine.adapters
         if lora is None and need is not None:
             raise AdapterError(
                 "UnsupportedAdapter", f"{need}: this engine serves no adapters (EngineConfig.enable_lora)"
@@ -298,20 +295,31 @@ class AsyncEngine:
     async def __aexit__(self, *exc_info) -> None:
         await self.aclose()
 
+    def _wake(self) -> None:
+        """An adapter load ended (any thread): a stalled loop steps again."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
+
     # --- the engine thread ---------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
+            idle_wait: float | None = None  # the last step ran nothing: block this long at most
             while True:
                 with self._cond:
+                    if idle_wait is not None and not (self._commands or self._closed or self._woken):
+                        self._cond.wait(idle_wait)
                     while not (self._commands or self._closed or self.engine.has_unfinished()):
                         self._cond.wait()
                     if self._closed:
                         break
-                    commands, self._commands = self._commands, []
+                    commands, self._commands, self._woken = self._commands, [], False
                 self._apply(commands)
+                idle_wait = None
                 if self.engine.has_unfinished():
                     self._deliver(self.engine.step())
                     self._after_step()
+                    idle_wait = self.engine.idle_wait_s()
         except BaseException as error:  # noqa: BLE001 - every failure must reach the streams
             self._fail(error)
             return

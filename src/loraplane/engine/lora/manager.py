@@ -1,8 +1,10 @@
-"""The engine's adapter registry: versions, aliases, tiers, and the scheduler's ``AdapterResidency``.
+"""``AdapterTiers``: the engine's adapter versions, their aliases, where their weights are (GPU, host, disk),
+and the scheduler's ``AdapterResidency``.
 
 A version is ``name@version``; its identity is the manifest digest. ``register`` puts a parsed, validated
-version in the host tier; the scheduler then ``request``s it toward the GPU (disk -> host parses on a
-worker thread; host -> GPU copies on a side stream), admits its requests once ``is_ready``, and
+version in the host tier; the scheduler then ``request``s it toward the GPU (disk -> host parses on the
+loader's worker threads, several at once; host -> GPU copies on a side stream), admits its requests once
+``is_ready``, and
 ``acquire``/``release``s it around each running sequence. What a running or queued request needs, and what
 is pinned, is never evicted from either tier.
 
@@ -14,11 +16,14 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
+from loraplane.engine.lora.loader import AdapterLoader
+from loraplane.engine.lora.safetensors_io import Reader, read_file
 from loraplane.engine.lora.tiers import GpuTier, HostTier
 from loraplane.engine.lora.weights import AdapterWeights, load_adapter_weights
 from loraplane.engine.model.model_config import ModelConfig
@@ -40,11 +45,12 @@ class _Version:
     in_flight: int = 0  # requests submitted and not finished (the async engine counts them)
     unloading: bool = False  # takes no new requests; freed once nothing uses it
     timings: dict[str, float] = field(default_factory=dict)
-    loading: Future | None = None  # a disk -> host parse on the worker thread
+    loading: Future | None = None  # a disk -> host parse on the loader
     error_reason: str | None = None
+    sha256: str | None = None  # of the weights file as first read: a reload must match it
 
 
-class AdapterManager:
+class AdapterTiers:
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
                  host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
                  graph_batch_size: int = 0, gpu_tier: GpuTier | None = None) -> None:  # fmt: skip
@@ -56,13 +62,16 @@ class AdapterManager:
         self.aliases: dict[str, str] = {}  # name -> serving version
         self.host = HostTier(host_bytes)
         self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
-        if hasattr(self.gpu, "reclaim"):  # unified memory: KV may evict what nothing needs, under the lock
-            self.gpu.evictable = self._gpu_evictable
-            self.gpu.memory.adapter_reclaimer = self._reclaim_for_kv
+        self.gpu.share_with_kv(self._gpu_evictable, self._reclaim_for_kv)  # unified memory: KV may evict
         self.wanted: set[str] = set()  # requested toward the GPU and not there yet
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="loraplane-adapter-load")
+        self.read: Reader = read_file  # how weights files are read (tests inject a slow or failing one)
+        self.loader = AdapterLoader(self.parse)
+        self.loader.on_done = self._loaded
+        # The serving loop's wake-up: called (on a loader thread) when a load ends, since the engine thread
+        # may be blocked because every queued request waits for an adapter.
+        self.waker: Callable[[], None] | None = None
         # One metadata per step kind, shared by every module (one slot numbering across the pools).
         self._metas = {
             "decode": LoRABatchMeta(max_num_seqs, self.device, tile_m=16),
@@ -74,10 +83,21 @@ class AdapterManager:
             )
 
     # -- parsing ----------------------------------------------------------------------------------------
-    def parse(self, folder: Path) -> AdapterWeights:
-        """Read and validate a PEFT folder into host tensors (page-locked on CUDA). Any thread."""
-        weights = load_adapter_weights(folder, self.model_config, max_rank=self.max_rank, dtype=self.dtype)
-        return weights.pin() if self.device.type == "cuda" else weights
+    def parse(self, folder: Path, sha256: str | None = None) -> AdapterWeights:
+        """Read and validate a PEFT folder into host tensors (page-locked on CUDA). Any thread.
+        ``sha256``: what the weights file hashed to when first read (a changed file is refused)."""
+        return load_adapter_weights(folder, self.model_config, max_rank=self.max_rank, dtype=self.dtype,
+                                    pin=self.device.type == "cuda", read=self.read, sha256=sha256)  # fmt: skip
+
+    def _loaded(self) -> None:
+        waker = self.waker
+        if waker is not None:
+            waker()
+
+    def idle_wait_s(self) -> float:
+        """How long the serving loop may block when nothing can run: a load's end wakes it, but a
+        host-to-device copy landing does not, so while one is in flight it looks again soon."""
+        return 0.0005 if self.gpu.copies_in_flight() else 0.05
 
     # -- registry (any thread) --------------------------------------------------------------------------
     def register(self, name: str, version: str, folder: Path, digest: str, weights: AdapterWeights | None, *,
@@ -100,6 +120,7 @@ class AdapterManager:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
             v = _Version(name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin)
             v.timings["load"] = load_s
+            v.sha256 = weights.sha256
             self.versions[key] = v
             self.host.put(key, weights, self._host_evictable)
             return self.info(key)
@@ -144,6 +165,30 @@ class AdapterManager:
             v = self.versions.get(key)
             if v is not None:
                 v.in_flight += delta
+
+    def is_registered(self, key: str) -> bool:
+        """Whether ``key`` is registered, in any state (unloading included)."""
+        with self.lock:
+            return key in self.versions
+
+    def mark_warm(self, key: str, seconds: float) -> None:
+        """A real forward ran through ``key``, in ``seconds``."""
+        with self.lock:
+            v = self.versions[key]
+            v.timings["warm"] = seconds
+            v.state, v.error = "warm", None
+
+    def mark_failed(self, key: str, error: AdapterError) -> None:
+        """``key`` can never serve (its warm-up forward failed): its requests fail, ``info`` shows why."""
+        with self.lock:
+            v = self.versions[key]
+            v.state, v.error = "failed", f"{error.reason}: {error}"
+
+    def has_room_for(self, key: str) -> bool:
+        """Resident already, or its host weights fit the GPU pools without evicting anything."""
+        with self.lock:
+            weights = self.host.get(key)
+            return self.gpu.done(key) or (weights is not None and self.gpu.fits(weights))
 
     def tier_of(self, key: str) -> str | None:
         with self.lock:
@@ -242,15 +287,17 @@ class AdapterManager:
         weights = self.host.get(key)
         if weights is None:
             if v.loading is None:
-                v.loading = self._worker.submit(self.parse, v.folder)
+                v.loading = self.loader.submit(key, v.folder, v.sha256)
             if not v.loading.done():
                 return False
             future, v.loading = v.loading, None
             try:
                 weights = future.result()
-            except AdapterError as error:  # the folder changed under us
-                v.state, v.error, v.error_reason = "failed", f"{error.reason}: {error}", error.reason
+            except Exception as error:  # noqa: BLE001 - the folder changed or vanished under us
+                reason = error.reason if isinstance(error, AdapterError) else "BadAdapterFile"
+                v.state, v.error, v.error_reason = "failed", f"{reason}: {error}", reason
                 return False
+            v.timings.update({f"disk_{k}": t for k, t in weights.timings.items()})
             self.host.put(key, weights, self._host_evictable)
         if not self.gpu.make_room(weights, self._gpu_evictable):
             return False
@@ -327,4 +374,4 @@ class AdapterManager:
         return dict.fromkeys(self.gpu.pools, self._metas["graph"].build([], self.gpu.ranks))
 
     def close(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self.loader.close()

@@ -71,6 +71,9 @@ class GpuTier:
         # TP hook: rank 0 repeats every copy and eviction on the workers (parallel/lora_sync.py)
         self.mirror = None
 
+    def share_with_kv(self, evictable: Callable[[str], bool], reclaim_for_kv: Callable) -> None:
+        """Pools of its own share nothing with KV (the unified memory's tier overrides this)."""
+
     # -- accounting ---------------------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:
@@ -101,6 +104,9 @@ class GpuTier:
                 return False
             del self._pending[key]
         return True
+
+    def copies_in_flight(self) -> bool:
+        return bool(self._pending)
 
     def touch(self, key: str) -> None:
         self.slots.move_to_end(key)
@@ -147,14 +153,19 @@ class GpuTier:
         self._pending[key] = (event, weights)  # keeps the pinned source alive until the copy lands
 
     def _write(self, slots: dict[str, int], weights: AdapterWeights) -> None:
+        """Per module: one host-to-device copy per factor, one transpose of B, then one multi-tensor copy
+        per run of consecutive physical rows over every layer (not one indexed copy per layer)."""
         for m, slot in slots.items():
             pool = self.pools[m]
-            rows = pool.rows_of(slot)  # [r_m] physical rows
             a = weights.a[m].to(self.device, non_blocking=True)  # [L, r_m, in]
-            b = weights.b[m].to(self.device, non_blocking=True)  # [L, out, r_m]
-            for layer in range(pool.num_layers):
-                pool.a[(layer, m)][0].index_copy_(0, rows, a[layer])
-                pool.bt[(layer, m)].index_copy_(0, rows, b[layer].t())
+            bt = weights.b[m].to(self.device, non_blocking=True).transpose(1, 2).contiguous()  # [L, r_m, out]
+            layers = range(pool.num_layers)
+            for row, src, n in _row_runs(pool, slot):
+                dst = [pool.a[(i, m)][0, row : row + n] for i in layers]
+                dst += [pool.bt[(i, m)][row : row + n] for i in layers]
+                torch._foreach_copy_(
+                    dst, [a[i, src : src + n] for i in layers] + [bt[i, src : src + n] for i in layers]
+                )
 
     def wait(self, key: str) -> None:
         pending = self._pending.pop(key, None)
@@ -171,3 +182,16 @@ class GpuTier:
         self.ranks[gid] = 0
         self._free_ids.append(gid)
         self.bytes_of.pop(key, None)
+
+
+def _row_runs(pool: LoRAPool, slot: int) -> list[tuple[int, int, int]]:
+    """(first physical row, first rank-row, length) of each run of consecutive rows ``slot`` owns."""
+    pages, pr = pool.pages_of(slot), pool.page_rank
+    rows = [pages[j // pr] * pr + j % pr for j in range(pool.rank_of(slot))]
+    runs: list[list[int]] = []
+    for j, row in enumerate(rows):
+        if runs and runs[-1][0] + runs[-1][2] == row:
+            runs[-1][2] += 1
+        else:
+            runs.append([row, j, 1])
+    return [tuple(r) for r in runs]

@@ -16,16 +16,18 @@ layers (or rank-rows) it does not have stay zero, so they add exactly nothing.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from loraplane.engine.api import AdapterError
+from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file
 from loraplane.engine.model.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -45,6 +47,8 @@ class AdapterWeights:
     a: dict[str, torch.Tensor]  # module -> [L, r_m, in]
     b: dict[str, torch.Tensor]  # module -> [L, out, r_m] (scaled)
     ranks: dict[str, int] = field(default_factory=dict)  # module -> r_m (largest over layers)
+    sha256: str | None = None  # "sha256:<hex>" of the weights file it was read from
+    timings: dict[str, float] = field(default_factory=dict)  # read / hash / stack seconds
 
     @property
     def rank(self) -> int:
@@ -56,6 +60,8 @@ class AdapterWeights:
 
     def pin(self) -> AdapterWeights:
         """Page-locked copies, so host-to-device copies can run asynchronously (CUDA only)."""
+        if all(t.is_pinned() for t in (*self.a.values(), *self.b.values())):
+            return self
         self.a = {m: t.pin_memory() for m, t in self.a.items()}
         self.b = {m: t.pin_memory() for m, t in self.b.items()}
         return self
@@ -146,9 +152,15 @@ def _refuse_key(key: str) -> AdapterError:
 
 
 def load_adapter_weights(
-    folder: Path, cfg: ModelConfig, *, max_rank: int, dtype: torch.dtype = torch.float32
-) -> AdapterWeights:
-    """Parse, validate and scale one PEFT folder; raises AdapterError naming the field / file / tensor."""
+    folder: Path, cfg: ModelConfig, *, max_rank: int, dtype: torch.dtype = torch.float32, pin: bool = False,
+    read: Reader = read_file, sha256: str | None = None,
+) -> AdapterWeights:  # fmt: skip
+    """Parse, validate and scale one PEFT folder; raises AdapterError naming the field / file / tensor.
+
+    One read of the weights file (``read``), views of its tensors, then per module one stack of A, one of B
+    and one scale multiply: a few large ops that release the GIL, whatever the number of layers. ``pin``:
+    the result lives in one page-locked buffer (CUDA hosts). ``sha256``: the file must hash to it
+    ("sha256:<hex>"), else ``ChecksumMismatch``; the result carries the file's hash either way."""
     folder = Path(folder)
     config = read_config(folder)
     path = folder / WEIGHTS_FILE
@@ -156,27 +168,49 @@ def load_adapter_weights(
         pickled = [n for n in _PICKLE_FILES if (folder / n).exists()]
         why = f"only pickle weights ({', '.join(pickled)}) found; never loaded" if pickled else "missing"
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: {why}")
-    shapes, num_layers = module_shapes(cfg), cfg.num_layers
-    pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    timings, t0 = {}, time.perf_counter()
     try:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                m = _KEY.match(key)
-                if not m or _PARENT.get(m[4]) != m[3]:
-                    raise _refuse_key(key)
-                layer, module, ab = int(m[2]), m[4], m[5]
-                if layer >= num_layers:
-                    raise AdapterError(
-                        "ShapeMismatch", f"{WEIGHTS_FILE}: tensor {key!r}: the base has {num_layers} layers"
-                    )
-                pairs.setdefault((module, layer), {})[ab] = f.get_tensor(key)
-    except SafetensorError as exc:
+        buf = read(path)
+    except OSError as exc:
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
+    timings["read"] = (t1 := time.perf_counter()) - t0
+    try:
+        tensors = parse(buf)  # views only: a truncated or malformed file is named before it is hashed
+    except SafetensorsFormatError as exc:
         raise AdapterError(
             "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
         ) from None
+    digest = "sha256:" + hashlib.sha256(buf).hexdigest()  # releases the GIL over the buffer
+    timings["hash"] = (t2 := time.perf_counter()) - t1
+    if sha256 is not None and digest != sha256:
+        raise AdapterError(
+            "ChecksumMismatch", f"{WEIGHTS_FILE}: hashes to {digest}, not the {sha256} it was loaded with"
+        )
+    factors = _factors(tensors, config, cfg, max_rank)
+    out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, pin)
+    _check_finite(out, factors)
+    timings["stack"] = time.perf_counter() - t2
+    out.sha256, out.timings = digest, timings
+    return out
+
+
+def _factors(tensors: dict[str, torch.Tensor], config: dict, cfg: ModelConfig, max_rank: int) -> dict:
+    """module -> {layer: (a [r, in], b [out, r], scale)}, every name, shape and rank checked."""
+    shapes, num_layers = module_shapes(cfg), cfg.num_layers
+    pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.match(key)
+        if not m or _PARENT.get(m[4]) != m[3]:
+            raise _refuse_key(key)
+        layer, module, ab = int(m[2]), m[4], m[5]
+        if layer >= num_layers:
+            raise AdapterError(
+                "ShapeMismatch", f"{WEIGHTS_FILE}: tensor {key!r}: the base has {num_layers} layers"
+            )
+        pairs.setdefault((module, layer), {})[ab] = tensor
     if not pairs:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: holds no LoRA tensors")
-    factors: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+    factors: dict[str, dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
     for (module, layer), ab in sorted(pairs.items()):
         prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
         if set(ab) != {"A", "B"}:
@@ -196,35 +230,77 @@ def load_adapter_weights(
             raise AdapterError(
                 "RankTooHigh", f"{WEIGHTS_FILE}: {prefix}: rank {r} > the engine's max_lora_rank {max_rank}"
             )
-        for name, t in (("lora_A", a), ("lora_B", b)):
-            if not torch.isfinite(t).all():
-                raise AdapterError(
-                    "NonFiniteWeights", f"{WEIGHTS_FILE}: {prefix}.{name}.weight has NaN or Inf"
-                )
         want_r, scale = module_scale(config, prefix.removeprefix("base_model.model."))
         if want_r != r:
             raise AdapterError(
                 "ShapeMismatch",
                 f"{WEIGHTS_FILE}: {prefix}: rank {r}, but {CONFIG_FILE} (r / rank_pattern) says {want_r}",
             )
-        factors.setdefault(module, {})[layer] = (a.float(), b.float() * scale)
-    return _stack(factors, shapes, num_layers, dtype)
+        factors.setdefault(module, {})[layer] = (a, b, scale)
+    return factors
 
 
-def _stack(factors, shapes, num_layers: int, dtype: torch.dtype) -> AdapterWeights:
-    out = AdapterWeights(a={}, b={})
+def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, pin: bool) -> AdapterWeights:
+    """Every module's stacked pair, carved out of one (page-locked when ``pin``) buffer."""
+    plan = []  # (module, r_m, fan_in, fan_out)
     for module in TARGET_MODULES:
-        if module not in factors:
-            continue
-        fan_in, fan_out = shapes[module]
-        r_m = max(a.shape[0] for a, _ in factors[module].values())
-        a_m = torch.zeros(num_layers, r_m, fan_in, dtype=dtype)  # [L, r_m, in]
-        b_m = torch.zeros(num_layers, fan_out, r_m, dtype=dtype)  # [L, out, r_m]
-        for layer, (a, b) in factors[module].items():
-            a_m[layer, : a.shape[0]] = a.to(dtype)
-            b_m[layer, :, : a.shape[0]] = b.to(dtype)
+        if module in factors:
+            r_m = max(a.shape[0] for a, _, _ in factors[module].values())
+            plan.append((module, r_m, *shapes[module]))
+    total = sum(num_layers * r_m * (fan_in + fan_out) for _, r_m, fan_in, fan_out in plan)
+    flat = torch.empty(total, dtype=dtype, pin_memory=pin)
+    out, at = AdapterWeights(a={}, b={}), 0
+    for module, r_m, fan_in, fan_out in plan:
+        a_m = flat[at : (at := at + num_layers * r_m * fan_in)].view(num_layers, r_m, fan_in)  # [L, r_m, in]
+        b_m = flat[at : (at := at + num_layers * fan_out * r_m)].view(
+            num_layers, fan_out, r_m
+        )  # [L, out, r_m]
+        layers = factors[module]
+        if len(layers) == num_layers and all(a.shape[0] == r_m for a, _, _ in layers.values()):
+            _stack_uniform(a_m, b_m, [layers[i] for i in range(num_layers)])
+        else:  # some layers absent or at a lower rank: zeros there add exactly nothing
+            a_m.zero_()
+            b_m.zero_()
+            for layer, (a, b, scale) in layers.items():
+                a_m[layer, : a.shape[0]] = a.float().to(dtype)
+                b_m[layer, :, : a.shape[0]] = (b.float() * scale).to(dtype)
         out.a[module], out.b[module], out.ranks[module] = a_m, b_m, r_m
     return out
+
+
+def _stack_uniform(a_m: torch.Tensor, b_m: torch.Tensor, layers: list) -> None:
+    """Every layer at the module's rank: one stack per factor and one multiply for the scales.
+    The arithmetic is PEFT's: B in fp32 times its scale, then cast (as ``(b.float() * scale).to(dtype)``)."""
+    a_src = [a for a, _, _ in layers]
+    if a_src[0].dtype == a_m.dtype:
+        torch.stack(a_src, out=a_m)
+    else:
+        a_m.copy_(torch.stack(a_src).float())
+    scales = [s for _, _, s in layers]
+    b_src = torch.stack([b for _, b, _ in layers])  # [L, out, r] in the file's dtype
+    if all(s == 1.0 for s in scales):
+        b_m.copy_(b_src.float() if b_src.dtype != b_m.dtype else b_src)
+        return
+    b32 = b_src.float() if b_src.dtype != torch.float32 else b_src
+    b_m.copy_(b32 * torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1))
+
+
+def _check_finite(out: AdapterWeights, factors: dict) -> None:
+    """One check per stacked tensor; only on a failure are the file's tensors searched for the name."""
+    for module in out.ranks:
+        if bool(torch.isfinite(out.a[module]).all()) and bool(torch.isfinite(out.b[module]).all()):
+            continue
+        for layer, (a, b, _) in sorted(factors[module].items()):
+            prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
+            for name, t in (("lora_A", a), ("lora_B", b)):
+                if not torch.isfinite(t).all():
+                    raise AdapterError(
+                        "NonFiniteWeights", f"{WEIGHTS_FILE}: {prefix}.{name}.weight has NaN or Inf"
+                    )
+        raise AdapterError(
+            "NonFiniteWeights",
+            f"{WEIGHTS_FILE}: {module}: lora_B times its scale overflows the serving dtype",
+        )
 
 
 def safetensors_bytes(folder: Path) -> int:

@@ -1,0 +1,117 @@
+"""Disk -> host loads of adapter versions: several at once, bounded in bytes, started in the order asked.
+
+The scheduler asks for the adapters of queued requests oldest first, so submission order is arrival order:
+a load starts as soon as the bytes of the loads in flight leave room for it (one always runs, whatever its
+size). Parsing runs on worker threads and spends its time in a file read, a hash and a few large tensor
+ops, all of which release the GIL, so the engine thread keeps stepping while adapters load. When a load
+ends, ``on_done`` is called (the serving loop's wake-up: it may be blocked waiting for exactly this).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loraplane.engine.lora.weights import WEIGHTS_FILE, AdapterWeights
+
+DEFAULT_WORKERS = 4
+DEFAULT_MAX_BYTES = 2 << 30
+
+
+@dataclass(slots=True)
+class _Job:
+    key: str
+    folder: Path
+    sha256: str | None
+    nbytes: int
+    future: Future = field(default_factory=Future)
+
+
+class AdapterLoader:
+    def __init__(
+        self,
+        parse: Callable[[Path, str | None], AdapterWeights],
+        *,
+        workers: int = DEFAULT_WORKERS,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        if workers < 1:
+            raise ValueError(f"workers: must be at least 1, got {workers}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes: must be positive, got {max_bytes}")
+        self.parse, self.max_bytes = parse, max_bytes
+        self.on_done: Callable[[], None] | None = None
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="loraplane-adapter-load")
+        self._lock = threading.Lock()
+        self._queued: OrderedDict[str, _Job] = OrderedDict()  # waiting for room, in submission order
+        self._running: dict[str, _Job] = {}
+        self.in_flight_bytes = 0
+        self.max_in_flight = 0  # the most loads that ran at once (tests, benchmarks)
+
+    def submit(self, key: str, folder: Path, sha256: str | None = None) -> Future:
+        """Queue a load of ``folder`` (its result: AdapterWeights, or the parse's exception)."""
+        try:
+            nbytes = (Path(folder) / WEIGHTS_FILE).stat().st_size
+        except OSError:
+            nbytes = 0  # the parse names what is missing
+        job = _Job(key, Path(folder), sha256, nbytes)
+        with self._lock:
+            old = self._running.get(key) or self._queued.get(key)
+            if old is not None:
+                return old.future
+            self._queued[key] = job
+            started = self._take()
+        self._start(started)
+        return job.future
+
+    @property
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queued) + len(self._running)
+
+    def _take(self) -> list[_Job]:
+        """Jobs that may start now (under the lock): in order, while the bytes in flight leave room."""
+        started = []
+        while self._queued:
+            job = next(iter(self._queued.values()))
+            if self._running and self.in_flight_bytes + job.nbytes > self.max_bytes:
+                break
+            del self._queued[job.key]
+            self._running[job.key] = job
+            self.in_flight_bytes += job.nbytes
+            started.append(job)
+        self.max_in_flight = max(self.max_in_flight, len(self._running))
+        return started
+
+    def _start(self, jobs: list[_Job]) -> None:
+        for job in jobs:
+            try:
+                self._pool.submit(self._run, job)
+            except RuntimeError as error:  # shut down
+                job.future.set_exception(error)
+
+    def _run(self, job: _Job) -> None:
+        try:
+            weights = self.parse(job.folder, job.sha256)
+        except BaseException as error:  # noqa: BLE001 - it belongs to the requests of this adapter
+            job.future.set_exception(error)
+        else:
+            job.future.set_result(weights)
+        with self._lock:
+            self._running.pop(job.key, None)
+            self.in_flight_bytes -= job.nbytes
+            started = self._take()
+        self._start(started)
+        if self.on_done is not None:
+            self.on_done()
+
+    def close(self) -> None:
+        with self._lock:
+            queued, self._queued = list(self._queued.values()), OrderedDict()
+        for job in queued:
+            job.future.cancel()
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,223 @@
+"""Cold adapters off the serving path: a slow load stalls nobody else, loads run side by side, a broken file
+fails only its own requests, and a loop whose every request waits for an adapter sleeps instead of spinning.
+
+Loads are slowed by a gated reader injected as the adapter manager's ``read`` (the real file read once the
+gate opens), so every wait is deterministic."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from loraplane.engine.core.async_engine import AsyncEngine
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.errors import RequestError
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.sequence import SamplingParams
+from loraplane.engine.lora.safetensors_io import read_file
+from tests.engine.peft_adapters import save_peft_adapter
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+PROMPT = [5, 9, 13, 17, 21, 25]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+class GatedReader:
+    """Reads the weights of the folders named in ``slow`` only once ``gate`` is set; counts who waits."""
+
+    def __init__(self, slow: set[str]) -> None:
+        self.slow, self.gate = slow, threading.Event()
+        self.waiting: set[str] = set()
+        self.lock = threading.Lock()
+
+    def __call__(self, path: Path) -> memoryview:
+        name = Path(path).parent.name
+        if name in self.slow:
+            with self.lock:
+                self.waiting.add(name)
+            assert self.gate.wait(60), "the test never opened the gate"
+        return read_file(path)
+
+
+@pytest.fixture(scope="module")
+def adapters(make_hf_model, tmp_path_factory):
+    base = make_hf_model("llama", tie_word_embeddings=False)
+    root = tmp_path_factory.mktemp("churn-adapters")
+    folders = {
+        name: save_peft_adapter(
+            base, root / name, seed=i, r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]
+        )
+        for i, name in enumerate(("hot", "cold1", "cold2", "broken"))
+    }
+    return base, folders
+
+
+def make_async(base: Path, **kw) -> AsyncEngine:
+    cfg = EngineConfig(model=str(base), device="cpu", block_size=4, max_num_batched_tokens=128,
+                       num_kv_blocks=128, **kw)  # fmt: skip
+    return AsyncEngine(LLMEngine(cfg))
+
+
+async def collect(engine: AsyncEngine, adapter: str | None) -> list[int]:
+    tokens = []
+    async for out in engine.add_request(PROMPT, GREEDY, adapter=adapter):
+        tokens += out.new_token_ids
+    return tokens
+
+
+async def load_all(engine: AsyncEngine, folders: dict[str, Path], names) -> None:
+    for name in names:
+        await engine.load_adapter(name, "v1", folders[name], f"sha256:{name}")
+
+
+def to_disk(engine: AsyncEngine, *names: str) -> None:
+    """Leave only the folder: the next request must load it from disk."""
+    lora = engine.engine.runner.lora
+    with lora.lock:
+        for name in names:
+            lora.host.drop(f"{name}@v1")
+            assert lora.tier_of(f"{name}@v1") == "disk"
+
+
+def test_resident_adapter_finishes_while_another_loads_slowly_and_tokens_are_unchanged(adapters):
+    base, folders = adapters
+
+    async def main():
+        engine = make_async(base)
+        try:
+            await load_all(engine, folders, ("hot", "cold1"))
+            await engine.warm_adapter("hot", "v1")
+            alone = await collect(engine, "hot@v1")
+            reader = GatedReader({"cold1"})
+            engine.engine.runner.lora.read = reader
+            to_disk(engine, "cold1")
+            cold = asyncio.create_task(collect(engine, "cold1@v1"))
+            while "cold1" not in reader.waiting:
+                await asyncio.sleep(0.01)
+            hot = await asyncio.wait_for(collect(engine, "hot@v1"), 30)
+            assert hot == alone and not cold.done()
+            reader.gate.set()
+            assert len(await asyncio.wait_for(cold, 30)) == GREEDY.max_tokens
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
+
+
+def test_two_loads_are_in_flight_at_once(adapters):
+    base, folders = adapters
+
+    async def main():
+        engine = make_async(base)
+        try:
+            await load_all(engine, folders, ("cold1", "cold2"))
+            reader = GatedReader({"cold1", "cold2"})
+            lora = engine.engine.runner.lora
+            lora.read = reader
+            to_disk(engine, "cold1", "cold2")
+            tasks = [asyncio.create_task(collect(engine, f"{n}@v1")) for n in ("cold1", "cold2")]
+            deadline = time.monotonic() + 30
+            while reader.waiting != {"cold1", "cold2"}:  # both reads started before either could finish
+                assert time.monotonic() < deadline, reader.waiting
+                await asyncio.sleep(0.01)
+            assert lora.loader.max_in_flight >= 2
+            reader.gate.set()
+            assert [len(t) for t in await asyncio.gather(*tasks)] == [GREEDY.max_tokens] * 2
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("damage", ["truncated", "checksum"])
+def test_a_failing_load_fails_its_own_requests_with_a_named_reason(adapters, tmp_path, damage):
+    base, folders = adapters
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for f in folders["broken"].iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    folders = {**folders, "broken": broken}
+
+    async def main():
+        engine = make_async(base)
+        try:
+            await load_all(engine, folders, ("hot", "broken"))
+            to_disk(engine, "broken")
+            weights = broken / "adapter_model.safetensors"
+            data = bytearray(weights.read_bytes())
+            if damage == "truncated":
+                weights.write_bytes(data[: len(data) // 2])
+            else:  # same size, other bytes: only the hash taken at the first read can tell
+                data[-8:] = b"\x00" * 8
+                weights.write_bytes(bytes(data))
+            bad = asyncio.create_task(collect(engine, "broken@v1"))
+            good = asyncio.create_task(collect(engine, "hot@v1"))
+            assert len(await asyncio.wait_for(good, 30)) == GREEDY.max_tokens
+            with pytest.raises(RequestError) as err:
+                await asyncio.wait_for(bad, 30)
+            want = "BadAdapterFile" if damage == "truncated" else "ChecksumMismatch"
+            assert f"adapter 'broken@v1': {want}: adapter_model.safetensors" in str(err.value), err.value
+            assert engine.is_alive()
+            assert len(await collect(engine, None)) == GREEDY.max_tokens  # the engine goes on
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
+
+
+def test_loop_sleeps_while_every_request_waits_for_an_adapter(adapters):
+    """The engine thread's own CPU time (time.thread_time, read on that thread after each step) over a
+    stretch in which the only requests wait for a load held at the gate: a spinning loop burns ~100 %."""
+    base, folders = adapters
+
+    async def main():
+        engine = make_async(base)
+        samples: list[tuple[float, float]] = []  # (wall, engine thread CPU) after each step
+        engine.add_step_listener(lambda _: samples.append((time.perf_counter(), time.thread_time())))
+        try:
+            await load_all(engine, folders, ("cold1",))
+            reader = GatedReader({"cold1"})
+            engine.engine.runner.lora.read = reader
+            to_disk(engine, "cold1")
+            tasks = [asyncio.create_task(collect(engine, "cold1@v1")) for _ in range(3)]
+            while "cold1" not in reader.waiting:
+                await asyncio.sleep(0.01)
+            first = len(samples)
+            await asyncio.sleep(1.0)
+            window = samples[max(0, first - 1) :]
+            reader.gate.set()
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        finally:
+            await engine.aclose()
+        assert len(window) >= 2, "the loop must still look now and then (time-based limits)"
+        wall = window[-1][0] - window[0][0]
+        cpu = window[-1][1] - window[0][1]
+        assert wall > 0.5 and cpu / wall < 0.10, f"engine thread busy {cpu / wall:.0%} of {wall:.2f} s"
+
+    asyncio.run(main())
+
+
+def test_unknown_reader_failure_is_named(adapters):
+    """A read that raises (the disk vanished) fails the adapter's requests with BadAdapterFile."""
+    base, folders = adapters
+
+    def failing(path: Path) -> memoryview:
+        raise OSError(5, "Input/output error", str(path))
+
+    async def main():
+        engine = make_async(base)
+        try:
+            await load_all(engine, folders, ("cold2",))
+            engine.engine.runner.lora.read = failing
+            to_disk(engine, "cold2")
+            with pytest.raises(RequestError) as err:
+                await asyncio.wait_for(collect(engine, "cold2@v1"), 30)
+            assert "BadAdapterFile: adapter_model.safetensors: unreadable" in str(err.value), err.value
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
