@@ -1,15 +1,16 @@
-"""The wheel is what gets tested: built from this tree, installed into empty virtual environments.
+"""The wheel is what gets tested: built from this tree, installed into an empty virtual environment.
 
 Every other test imports the source tree, where a subpackage missing from the wheel goes unnoticed. Here the
 wheel is built as the images build it (pyproject.toml, README.md and src/ only), its RECORD gives the list
-of modules, and each environment imports that list in a process of its own:
-- ``server`` and ``operator`` extras: every module of the package, and the ``loraplane`` command;
+of modules, and an empty environment imports that list in a process of its own:
 - ``engine`` extra alone (the GPU image's constraint: torch, triton, safetensors, numpy): every module under
   loraplane.engine and loraplane.kernels, with the HTTP, operator and model-hub stacks absent and the base
-  install's supply-chain packages hidden.
+  install's supply-chain packages hidden;
+- then the ``server`` and ``operator`` extras: every module of the package, and the ``loraplane`` command.
 
-The environments are built once per module (about three minutes each on two cores, most of it unpacking
-torch and its CUDA libraries); the wheels come from the package index with the CI constraints.
+One environment grows from the engine extra to the server and operator extras, so torch and its CUDA
+libraries (most of the time: unpacking 4 GB) are installed once; the wheels come from the package index with
+the CI constraints, fetched once into a wheelhouse.
 """
 
 from __future__ import annotations
@@ -109,21 +110,18 @@ def wheelhouse(wheel, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def venv_root(tmp_path):
-    """Where a test's environment goes; removed afterwards (5 GB with torch and its CUDA libraries)."""
+    """Where the test's environment goes; removed afterwards (5 GB with torch and its CUDA libraries)."""
     yield tmp_path / "venv"
     shutil.rmtree(tmp_path / "venv", ignore_errors=True)
 
 
-def make_venv(root: Path, wheel: Path, wheelhouse: Path, extras: str) -> Path:
-    """An empty environment (no pip, no setuptools) with the wheel and its extras; returns its python.
+def pip_install(python: Path, requirement: str, wheelhouse: Path) -> None:
+    """``pip install`` into that environment from the wheelhouse alone, under the CI constraints.
 
     ``--no-compile``: byte-compiling torch's and transformers' thousands of files would take minutes, and an
     import compiles what it reads anyway."""
-    _run([sys.executable, "-m", "venv", "--without-pip", str(root)])
-    python = root / "bin" / "python"
     _run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-compile", "--no-index",
-          "--find-links", str(wheelhouse), "-c", str(CONSTRAINTS), f"{wheel}[{extras}]"], env=_isolated_env())  # fmt: skip
-    return python
+          "--find-links", str(wheelhouse), "-c", str(CONSTRAINTS), requirement], env=_isolated_env())  # fmt: skip
 
 
 def import_all(python: Path, names: list[str], cwd: Path, hidden: tuple[str, ...] = ()) -> dict:
@@ -144,31 +142,29 @@ def test_every_source_file_is_in_the_wheel(wheel):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_server_and_operator_extras_import_every_module(wheel, wheelhouse, venv_root, tmp_path):
-    python = make_venv(venv_root, wheel, wheelhouse, "server,operator")
-    names = wheel_modules(wheel)
-    result = import_all(python, names, cwd=tmp_path)
-    assert result["failed"] == {}
-    assert Path(result["file"]).is_relative_to(venv_root)  # the wheel's copy, not the checkout
-    help_text = _run([str(python.parent / "loraplane"), "--help"], cwd=tmp_path, env=_isolated_env()).stdout
-    for sub in ("serve", "adapter", "operator"):
-        assert sub in help_text
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1200)
-def test_engine_extra_alone_imports_the_engine_and_kernels(wheel, wheelhouse, venv_root, tmp_path):
-    python = make_venv(venv_root, wheel, wheelhouse, "engine")
+@pytest.mark.timeout(2400)
+def test_engine_extra_then_server_and_operator_import_every_module(wheel, wheelhouse, venv_root, tmp_path):
+    """One environment, grown in two steps (torch and its CUDA libraries, most of the time, unpacked once):
+    first the wheel with the ``engine`` extra alone, then the ``server`` and ``operator`` extras on top."""
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv_root)])  # empty: no pip, no setuptools
+    python = venv_root / "bin" / "python"
+    pip_install(python, f"{wheel}[engine]", wheelhouse)
     absent = _run([str(python), "-I", "-c", "import importlib.util, json, sys; print(json.dumps("
                    "[n for n in sys.argv[1:] if importlib.util.find_spec(n) is None]))",
                    *NOT_IN_ENGINE_IMAGE], cwd=tmp_path, env=_isolated_env())  # fmt: skip
     assert json.loads(absent.stdout) == list(NOT_IN_ENGINE_IMAGE)
-    names = [n for n in wheel_modules(wheel) if n.startswith(("loraplane.engine", "loraplane.kernels"))]
-    assert "loraplane.engine.parallel" in names and "loraplane.kernels" in names
-    result = import_all(python, names, cwd=tmp_path, hidden=BASE_DEPENDENCIES)
-    assert result["failed"] == {}
-    assert Path(result["file"]).is_relative_to(venv_root)
+    engine = [n for n in wheel_modules(wheel) if n.startswith(("loraplane.engine", "loraplane.kernels"))]
+    assert "loraplane.engine.parallel" in engine and "loraplane.kernels" in engine
+    result = import_all(python, engine, cwd=tmp_path, hidden=BASE_DEPENDENCIES)
+    assert result["failed"] == {}, "engine extra alone"
+    assert Path(result["file"]).is_relative_to(venv_root)  # the wheel's copy, not the checkout
+
+    pip_install(python, f"{wheel}[server,operator]", wheelhouse)
+    result = import_all(python, wheel_modules(wheel), cwd=tmp_path)
+    assert result["failed"] == {}, "server and operator extras"
+    help_text = _run([str(python.parent / "loraplane"), "--help"], cwd=tmp_path, env=_isolated_env()).stdout
+    for sub in ("serve", "adapter", "operator"):
+        assert sub in help_text
 
 
 @pytest.mark.parametrize("image, extra", [("server", "server"), ("operator", "operator")])
