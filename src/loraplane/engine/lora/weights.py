@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from loraplane.engine.api import AdapterError
-from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file
+from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file, read_header
 from loraplane.engine.model.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -301,6 +301,40 @@ def _check_finite(out: AdapterWeights, factors: dict) -> None:
             "NonFiniteWeights",
             f"{WEIGHTS_FILE}: {module}: lora_B times its scale overflows the serving dtype",
         )
+
+
+def header_ranks(folder: Path, cfg: ModelConfig, *, max_rank: int) -> dict[str, int]:
+    """module -> largest rank over layers, from the config and the weights file's header alone (no data
+    read): what registering an adapter on the disk tier needs. The full checks run when it loads."""
+    folder = Path(folder)
+    read_config(folder)
+    path = folder / WEIGHTS_FILE
+    try:
+        header = read_header(path)
+    except FileNotFoundError:
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: missing in {folder}") from None
+    except (OSError, SafetensorsFormatError) as exc:
+        raise AdapterError(
+            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
+        ) from None
+    ranks: dict[str, int] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        m = _KEY.match(key)
+        if not m or _PARENT.get(m[4]) != m[3]:
+            raise _refuse_key(key)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if m[5] == "A" and isinstance(shape, list) and len(shape) == 2 and isinstance(shape[0], int):
+            if shape[0] > max_rank:
+                raise AdapterError(
+                    "RankTooHigh",
+                    f"{WEIGHTS_FILE}: {key}: rank {shape[0]} > the engine's max_lora_rank {max_rank}",
+                )
+            ranks[m[4]] = max(ranks.get(m[4], 0), shape[0])
+    if not ranks:
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: holds no LoRA tensors")
+    return {m: ranks[m] for m in TARGET_MODULES if m in ranks}
 
 
 def safetensors_bytes(folder: Path) -> int:
