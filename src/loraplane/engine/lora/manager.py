@@ -69,7 +69,7 @@ class AdapterManager:
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
         self.read: Reader = read_file  # how weights files are read (tests inject a slow or failing one)
-        self.loader = AdapterLoader(self.parse)
+        self.loader = AdapterLoader(self.parse, one_cpu_thread=self.device.type == "cuda")
         self.loader.on_done = self._loaded
         # The serving loop's wake-up: called (on a loader thread) when a load ends, since the engine thread
         # may be blocked because every queued request waits for an adapter.

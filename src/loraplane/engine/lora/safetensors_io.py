@@ -28,11 +28,12 @@ class SafetensorsFormatError(ValueError):
 
 
 def read_file(path: Path) -> memoryview:
-    """The whole file in one buffer (one open, one read loop; the GIL is released while the kernel copies)."""
+    """The whole file in one buffer (one open, one read loop). The buffer is allocated uninitialised (a
+    zero-filled ``bytearray`` would hold the GIL while it writes every page) and the GIL is released while
+    the kernel copies."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        view = memoryview(buf)
+        view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
         got = 0
         while got < size:
             n = f.readinto(view[got:])

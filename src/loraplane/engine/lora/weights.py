@@ -281,25 +281,40 @@ def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, pin: bool
 
 def _stack_uniform(a_m: torch.Tensor, b_m: torch.Tensor, layers: list) -> None:
     """Every layer at the module's rank: one stack per factor and one multiply for the scales.
-    The arithmetic is PEFT's: B in fp32 times its scale, then cast (as ``(b.float() * scale).to(dtype)``)."""
+    The arithmetic is PEFT's, B in fp32 times its scale, then rounded once to the serving dtype (as
+    ``(b.float() * scale).to(dtype)``); a 16-bit ``mul_`` computes in fp32 and rounds once, the same."""
     a_src = [a for a, _, _ in layers]
     if a_src[0].dtype == a_m.dtype:
         torch.stack(a_src, out=a_m)
     else:
         a_m.copy_(torch.stack(a_src).float())
     scales = [s for _, _, s in layers]
-    b_src = torch.stack([b for _, b, _ in layers])  # [L, out, r] in the file's dtype
-    if all(s == 1.0 for s in scales):
-        b_m.copy_(b_src.float() if b_src.dtype != b_m.dtype else b_src)
+    b_src = [b for _, b, _ in layers]
+    if b_src[0].dtype == b_m.dtype:
+        torch.stack(b_src, out=b_m)  # [L, out, r]
+        if any(s != 1.0 for s in scales):
+            b_m.mul_(scales[0] if len(set(scales)) == 1 else torch.tensor(scales).view(-1, 1, 1))
         return
-    b32 = b_src.float() if b_src.dtype != torch.float32 else b_src
+    b32 = torch.stack(b_src).float()  # another dtype on file: scale in fp32, round once
     b_m.copy_(b32 * torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1))
+
+
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00)}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf. 16-bit floats are checked on their bits (all exponent bits set), which is several times
+    faster on the CPU than ``isfinite``, which converts every element first."""
+    if t.dtype in _EXPONENT:
+        int_type, mask = _EXPONENT[t.dtype]
+        return not bool(torch.bitwise_and(t.view(int_type), mask).eq(mask).any())
+    return bool(torch.isfinite(t).all())
 
 
 def _check_finite(out: AdapterWeights, factors: dict) -> None:
     """One check per stacked tensor; only on a failure are the file's tensors searched for the name."""
     for module in out.ranks:
-        if bool(torch.isfinite(out.a[module]).all()) and bool(torch.isfinite(out.b[module]).all()):
+        if _all_finite(out.a[module]) and _all_finite(out.b[module]):
             continue
         for layer, (a, b, _) in sorted(factors[module].items()):
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
