@@ -38,6 +38,9 @@ def ttft_plot(result: dict, dst: str) -> None:
 
 def throughput_plot(result: dict, dst: str) -> None:
     engine = result["summary"]["engine"]
+    if not engine:
+        print("no S-LoRA rows of the LoRA engine: no throughput plot")
+        return
     alphas = sorted(float(k.split("=")[1]) for k in engine)
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     base = [engine[f"alpha={a}"]["base_tok_s"] for a in alphas]
