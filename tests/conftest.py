@@ -2,10 +2,14 @@
 
 Tiers (markers): default CPU tests; ``gpu`` (skipped without CUDA); ``cluster`` (skipped unless a real
 cluster answers through KUBECONFIG); ``slow`` (run unless LORAPLANE_SKIP_SLOW=1).
+
+``async def`` tests need pytest-asyncio (the dev extra). An image without it (the bare GPU image) skips them
+by name instead of failing; the GPU-marked cases are plain tests around ``asyncio.run`` and run there.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 
 # Triton reads this when the first @triton.jit module is imported: it must be set before any import
@@ -42,10 +46,14 @@ def _cluster_reachable() -> bool:
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
     skip_slow = pytest.mark.skip(reason="LORAPLANE_SKIP_SLOW=1")
+    skip_async = pytest.mark.skip(reason="an async test needs pytest-asyncio, not installed here")
+    has_asyncio_plugin = config.pluginmanager.hasplugin("asyncio")  # pytest-asyncio's entry point name
     cluster_ok = None
     for item in items:
         if "gpu" in item.keywords and not _CUDA:
             item.add_marker(skip_gpu)
+        if not has_asyncio_plugin and inspect.iscoroutinefunction(getattr(item, "obj", None)):
+            item.add_marker(skip_async)
         if "slow" in item.keywords and os.environ.get("LORAPLANE_SKIP_SLOW") == "1":
             item.add_marker(skip_slow)
         if "cluster" in item.keywords:

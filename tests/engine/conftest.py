@@ -25,6 +25,11 @@ TINY_DIMS = dict(
     # Wider than the default 0.02 so greedy top-2 logits stay well apart (ties would make fp32 comparisons flaky).
     initializer_range=0.2,
 )
+# The chain of reductions behind one logit of a tiny model, for tests.numerics.sum_atol. Per layer: q/k/v, o
+# and gate/up over the hidden size, the attention over a head and the positions (another hidden size's worth
+# at test lengths), down over the intermediate size; then the head over the hidden size.
+_LAYER_TERMS = 4 * TINY_DIMS["hidden_size"] + TINY_DIMS["intermediate_size"]
+TINY_LOGIT_TERMS = TINY_DIMS["num_hidden_layers"] * _LAYER_TERMS + TINY_DIMS["hidden_size"]
 
 
 def build_tiny_hf_model(out_dir: Path, arch: str, seed: int = 0, **overrides) -> Path:
@@ -116,6 +121,12 @@ class FakeRunner:
     one.
     """
 
+    # The Runner protocol's facts and optional capabilities (tests set ``residency`` to drive adapters).
+    device, dtype = "cpu", "float32"
+    memory = None
+    residency = None
+    lora = None
+
     def __init__(
         self,
         num_kv_blocks: int = 64,
@@ -189,6 +200,9 @@ class FakeRunner:
 
     def release(self, seq_ids) -> None:
         self.released.extend(seq_ids)
+
+    def warm_adapter(self, key: str) -> float:
+        raise AssertionError("the engine warms adapters only on a runner with lora")
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ import pytest
 
 from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.engine.core.config import EngineConfig
-from loraplane.engine.core.llm_engine import LLMEngine, RequestError
+from loraplane.engine.core.errors import RequestError
+from loraplane.engine.core.llm_engine import LLMEngine
 from loraplane.engine.core.sequence import SamplingParams
 from loraplane.engine.lora.safetensors_io import read_file
 from tests.engine.peft_adapters import save_peft_adapter

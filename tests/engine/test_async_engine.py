@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from loraplane.engine.core.async_engine import AsyncEngine, EngineDeadError
+from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.errors import EngineDeadError
 from loraplane.engine.core.llm_engine import LLMEngine
 from loraplane.engine.core.sequence import SamplingParams
 

@@ -112,3 +112,61 @@ def test_add_after_stop_is_an_error(byte_bpe_tokenizer):
     assert detok.stopped_on == "lo" and detok.text == "hel"
     with pytest.raises(RuntimeError):
         detok.add_token(ids[0])
+
+
+class CharTokenizer:
+    """One token per character (id = code point): the text grows by exactly one character per token."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, token_ids))
+
+
+def _reference(text: str, stops: tuple[str, ...]) -> tuple[str, str | None, int]:
+    """Truncated text, the stop string that matched, held-back length: by brute force."""
+    hits = [(text.find(s), s) for s in stops if s in text]
+    if hits:
+        start, stop = min(hits)
+        return text[:start], stop, 0
+    held = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text, None, held
+
+
+def test_stop_matching_agrees_with_brute_force_on_random_text():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = tuple("".join(rng.choices("ab", k=rng.randint(1, 5))) for _ in range(rng.randint(1, 4)))
+        text = "".join(rng.choices("abc", k=rng.randint(0, 30)))
+        detok = IncrementalDetokenizer(CharTokenizer(), [], stop=stops)
+        emitted = ""
+        for i, char in enumerate(text):
+            expected, stopped_on, held = _reference(text[: i + 1], stops)
+            assert detok.add_token(ord(char)) == (stopped_on is not None), (stops, text[: i + 1])
+            if stopped_on is not None:  # the output ends where the first stop string to complete begins
+                assert (detok.text, detok.stopped_on) == (expected, stopped_on), (stops, text[: i + 1])
+                break
+            emitted += detok.take_delta(finished=False)
+            assert emitted == expected[: len(expected) - held], (stops, text[: i + 1])
+
+
+def test_stop_checks_cost_only_the_new_text():
+    """Long stop strings against a long text: each token reads only its own characters.
+
+    Trying every prefix of every stop string against the text's tail costs the text's length squared per
+    token (about half a minute here); the automaton takes milliseconds.
+    """
+    import time
+
+    n = 6000
+    stops = tuple(char * n for char in "wxyz")
+    detok = IncrementalDetokenizer(CharTokenizer(), [], stop=stops)
+    started = time.perf_counter()
+    for _ in range(n):
+        assert not detok.add_token(ord("a"))
+        assert detok.take_delta(finished=False) == "a"
+    for _ in range(n - 1):  # a tail that may still become a stop string is held back, however long
+        assert not detok.add_token(ord("w"))
+        assert detok.take_delta(finished=False) == ""
+    assert detok.add_token(ord("w")) and detok.text == "a" * n
+    assert time.perf_counter() - started < 5.0

@@ -7,6 +7,7 @@ preempted and recomputed, and with chunked prefill sharing a small token budget 
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -127,8 +128,10 @@ def test_seeded_sampling_survives_preemption(model_and_reference):
     assert cramped.num_preemptions > 0
 
 
-async def test_async_stream_text_and_stop_string(model_and_reference, byte_bpe_tokenizer):
-    """The whole path: AsyncEngine thread, real runner, incremental detokenizer, stop string."""
+def test_async_stream_text_and_stop_string(model_and_reference, byte_bpe_tokenizer):
+    """The whole path: AsyncEngine thread, real runner, incremental detokenizer, stop string.
+
+    A plain test around asyncio.run: the GPU image runs this case and has no pytest-asyncio."""
     from loraplane.engine.core.async_engine import AsyncEngine
 
     model, prompts, refs = model_and_reference
@@ -136,14 +139,18 @@ async def test_async_stream_text_and_stop_string(model_and_reference, byte_bpe_t
     assert tok.backend_tokenizer.get_vocab_size() > 255  # every id the tiny model emits decodes
     full_text = tok.decode(refs[1], skip_special_tokens=True)
     stop = full_text[20:24]
-    engine = AsyncEngine(LLMEngine(make_engine(model).config, tokenizer=tok))
-    try:
-        stream = engine.add_request(
-            prompts[1], SamplingParams(temperature=0.0, max_tokens=STEPS, stop=(stop,), ignore_eos=True)
-        )
-        outs = [out async for out in stream]
-    finally:
-        await engine.aclose()
+
+    async def stream_all() -> list:
+        engine = AsyncEngine(LLMEngine(make_engine(model).config, tokenizer=tok))
+        try:
+            stream = engine.add_request(
+                prompts[1], SamplingParams(temperature=0.0, max_tokens=STEPS, stop=(stop,), ignore_eos=True)
+            )
+            return [out async for out in stream]
+        finally:
+            await engine.aclose()
+
+    outs = asyncio.run(stream_all())
     assert outs[-1].finish_reason == "stop"
     assert "".join(o.text for o in outs) == full_text[: full_text.find(stop)]
     assert [t for o in outs for t in o.new_token_ids] == refs[1][: len(outs)]

@@ -8,9 +8,10 @@ import asyncio
 
 import pytest
 
-from loraplane.engine.core.async_engine import AsyncEngine, EngineDeadError
+from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.engine.core.config import EngineConfig
-from loraplane.engine.core.llm_engine import MAX_ALL_FAILED_STEPS, EngineFault, LLMEngine, RequestError
+from loraplane.engine.core.errors import EngineDeadError, EngineFault, RequestError
+from loraplane.engine.core.llm_engine import MAX_ALL_FAILED_STEPS, LLMEngine
 from loraplane.engine.core.sequence import SamplingParams
 
 

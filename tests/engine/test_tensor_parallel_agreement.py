@@ -1,6 +1,6 @@
 """One set of random weights, two layouts: the TP=2 shard group against the whole model, rank by rank in
-their own processes. On CPU (fp32, tiny shapes) within 1e-5; on 2 GPUs (bf16, a Llama-3-8B shape) within
-bf16 rounding."""
+their own processes. On CPU (fp32, tiny shapes) within fp32 rounding (tests/numerics.py); on 2 GPUs (bf16,
+a Llama-3-8B shape) within bf16 rounding."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.numerics import sum_bound
 
 pytestmark = pytest.mark.timeout(600)
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +53,10 @@ def agreement(shape: dict, device: str, tmp_path: Path, watchdog_s: int = 240) -
 
 def test_cpu_fp32_shard_group_equals_the_whole_model(tmp_path):
     errors = agreement(TINY_QWEN2, "cpu", tmp_path)
-    assert errors["max_abs"] <= 1e-5 and errors["greedy_equal"], errors
+    # the shards sum in another order: fp32 rounding over the chain of reductions behind a logit
+    hidden, layers = TINY_QWEN2["hidden_size"], TINY_QWEN2["num_hidden_layers"]
+    bound = sum_bound(errors["max_want"], layers * (4 * hidden + TINY_QWEN2["intermediate_size"]) + hidden)
+    assert errors["max_abs"] <= bound and errors["greedy_equal"], (bound, errors)
 
 
 @pytest.mark.gpu

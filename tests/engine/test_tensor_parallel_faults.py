@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from loraplane.engine.core.config import EngineConfig
-from loraplane.engine.core.llm_engine import EngineFault, LLMEngine
+from loraplane.engine.core.errors import EngineFault
+from loraplane.engine.core.llm_engine import LLMEngine
 from loraplane.engine.core.sequence import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)

@@ -63,6 +63,7 @@ def main(rank: int, size: int, init: str, shape: dict, device: str, out: str, wa
             diff = (got.double() - want.double()).abs()
             errors = {
                 "max_abs": diff.max().item(),
+                "max_want": want.double().abs().max().item(),
                 "max_rel_norm": max(
                     ((got[i].double() - want[i].double()).norm() / want[i].double().norm()).item()
                     for i in range(len(lens))

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import httpx
 
-from loraplane.http.adapters import AdapterManager
+from loraplane.http.adapters import AdapterRegistry
 from loraplane.http.admin import create_admin_app
 from loraplane.http.app import create_app
-from loraplane.http.sources import S3Source
+from loraplane.serve.sources import S3Source
 from tests.adapter_factory import PublishedAdapter, make_keys, publish_adapter
 from tests.http.conftest import MODEL_NAME, ServerThread
 from tests.s3_servers import moto_server
@@ -32,7 +32,7 @@ class AdapterWorld:
     public: ServerThread
     admin: ServerThread
     source: S3Source
-    manager: AdapterManager
+    registry: AdapterRegistry
     published: dict[str, PublishedAdapter] = field(default_factory=dict)
 
     def put(self, name: str, adapter: PublishedAdapter, **extra) -> httpx.Response:
@@ -99,11 +99,11 @@ def adapter_world(workdir: Path, engine, model_dir: Path, *, api_keys=None, wait
         cache_dir = workdir / "cache"
         cache_dir.mkdir()
         source = S3Source.create(cache_dir, 1 << 30, keys.trusted, engine.info)
-        manager = AdapterManager(engine, state.metrics, source.pull, source.release, source.pin)
+        registry = AdapterRegistry(engine, state.metrics, source.pull, source.release, source.pin)
         state.metrics.watch_engine(engine, source.cache)
-        admin = create_admin_app(state, ADMIN_TOKEN, manager, wait_s=wait_s)
+        admin = create_admin_app(state, ADMIN_TOKEN, registry, wait_s=wait_s)
         with ServerThread(app) as public, ServerThread(admin) as admin_server:
-            world = AdapterWorld(public, admin_server, source, manager, published)
+            world = AdapterWorld(public, admin_server, source, registry, published)
             try:
                 yield world
             finally:

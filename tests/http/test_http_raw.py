@@ -60,6 +60,37 @@ def test_missing_field_is_400_naming_it(server):
     assert_error(httpx.post(f"{server.url}/v1/chat/completions", json={"model": MODEL_NAME}), 400, "messages")
 
 
+LONE = "\\ud800"  # a JSON escape of half a UTF-16 surrogate pair: valid JSON, not valid text
+COMPLETION = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        ("/v1/completions", json.dumps({**COMPLETION, "prompt": "x"}).replace('"x"', f'"a{LONE}b"'), "prompt"),
+        ("/v1/completions", json.dumps({**COMPLETION, "prompt": ["x"]}).replace('"x"', f'"{LONE}"'), "prompt"),
+        ("/v1/completions", json.dumps({**COMPLETION, "model": "x"}).replace('"x"', f'"{LONE}"'), "model"),
+        ("/v1/completions", json.dumps({**COMPLETION, "stop": ["x"]}).replace('"x"', f'"{LONE}"'), "stop"),
+        ("/v1/chat/completions", json.dumps({**CHAT, "model": "x"}).replace('"x"', f'"{LONE}"'), "model"),
+        ("/v1/chat/completions", json.dumps(CHAT).replace('"hello"', f'"hi {LONE}"'), "messages[0].content"),
+        ("/v1/chat/completions",
+         json.dumps({**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}]}]})
+         .replace('"x"', f'"{LONE}"'),
+         "messages[0].content[0].text"),
+        ("/v1/chat/completions",
+         json.dumps({**CHAT, "messages": [{"role": "user", "content": "hi", "name": "x"}]})
+         .replace('"x"', f'"{LONE}"'),
+         "messages[0].name"),
+    ],
+)  # fmt: skip
+def test_a_lone_surrogate_is_400_naming_the_field(server, engine, path, raw, param):
+    assert LONE in raw
+    response = httpx.post(f"{server.url}{path}", content=raw, headers={"content-type": "application/json"})
+    assert "surrogate" in assert_error(response, 400, param)["message"]
+    assert engine.is_alive()
+    assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=60).status_code == 200
+
+
 def test_unknown_route_is_an_openai_404(server):
     assert_error(httpx.get(f"{server.url}/v1/nope"), 404)
 

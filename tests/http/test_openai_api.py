@@ -103,6 +103,11 @@ def test_stop_string_cuts_the_answer(client):
     assert response.choices[0].message.content == whole[: whole.index(stop)]
 
 
+def test_four_stop_strings_of_4096_characters_are_accepted(client):
+    stops = ["x" * 4093, "[", "]", "}"]
+    assert chat(client, max_tokens=2, stop=stops).choices[0].finish_reason in ("length", "stop")
+
+
 def test_chat_logprobs_are_the_sampled_and_top_tokens(client):
     response = chat(client, max_tokens=5, logprobs=True, top_logprobs=3)
     content = response.choices[0].logprobs.content
@@ -134,6 +139,9 @@ def test_completion_logprobs(client):
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"stop": [""]}, "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"stop": ["x" * 4000, "y" * 97]}, "stop"),
+        ({"stop": "x" * 4097}, "stop"),
         ({"messages": [{"role": "user", "content": "x " * MAX_MODEL_LEN}]}, "messages"),
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),
@@ -159,6 +167,7 @@ def test_bad_chat_requests_are_400_naming_the_field(client, kwargs, param):
         ({"max_tokens": MAX_MODEL_LEN}, "max_tokens"),
         ({"echo": True}, "echo"),
         ({"best_of": 2}, "best_of"),
+        ({"stop": [str(i) for i in range(1000)]}, "stop"),
     ],
 )
 def test_bad_completion_requests_are_400_naming_the_field(client, kwargs, param):

@@ -91,6 +91,27 @@ def test_memory_mode_flag_reaches_the_engine(tiny_chat_model_dir):
     assert serve.options_from_args(default, default.model, None).memory_mode is None
 
 
+def test_lora_merge_flag_reaches_the_engine(tiny_chat_model_dir):
+    """`--lora-merge`: the engine keeps merged weights for a dominant adapter; off without the flag."""
+    argv = [
+        "--model",
+        str(tiny_chat_model_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--num-kv-blocks",
+        "64",
+    ]
+    for flags, merging in (([], False), (["--lora-merge"], True)):
+        args = serve.build_parser().parse_args(argv + flags)
+        engine = serve.build_engine(serve.options_from_args(args, args.model, None), None)
+        try:
+            assert (engine.engine.runner.merger is not None) is merging
+        finally:
+            engine.close()
+
+
 @pytest.fixture(scope="module")
 def s3_model(tiny_chat_model_dir, tmp_path_factory):
     """moto S3 holding the tiny chat model at s3://models/tiny/ (plus a pickle-weights folder)."""

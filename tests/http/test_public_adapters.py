@@ -16,6 +16,7 @@ import pytest
 
 from loraplane.engine.core.sequence import SamplingParams
 from loraplane.http.auth import ApiKeys
+from loraplane.http.openai_api import VERSION_HEADER
 from tests.http.adapter_fixtures import ADMIN_HEADERS, adapter_world
 from tests.http.conftest import MODEL_NAME, wait_until
 
@@ -33,6 +34,9 @@ KEYS_YAML = """keys:
     max_concurrency: 1
   - key: key-all
     name: platform
+  - key: key-budget
+    name: budgeted
+    tokens_per_minute: 60
 """
 GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 
@@ -121,6 +125,18 @@ def test_tokens_per_minute_is_429_with_retry_after(world):
     assert "tokens per minute" in refused.json()["error"]["message"]
 
 
+async def test_concurrent_requests_stay_within_tokens_per_minute_plus_one_request(world):
+    """50 requests at once on a budget of 60 tokens: each reserves prompt + max_tokens as it is admitted."""
+    body = {"model": MODEL_NAME, "prompt": [1, 2, 3], "max_tokens": 8, "ignore_eos": True}
+    headers = {"Authorization": "Bearer key-budget"}
+    async with httpx.AsyncClient(base_url=world.public.url, headers=headers, timeout=120) as c:
+        answers = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(50)))
+    granted = [a.json()["usage"]["total_tokens"] for a in answers if a.status_code == 200]
+    assert granted and all(a.status_code in (200, 429) for a in answers)
+    assert all(tokens == 3 + 8 for tokens in granted)
+    assert sum(granted) <= 60 + (3 + 8), sum(granted)
+
+
 def test_openapi_needs_a_key_when_keys_are_configured(world):
     assert httpx.get(f"{world.public.url}/openapi.json").status_code == 401
     schema = httpx.get(f"{world.public.url}/openapi.json", headers={"Authorization": "Bearer key-a"})
@@ -148,16 +164,18 @@ async def test_32_concurrent_streams_across_adapters(world):
 
 def test_a_version_swap_during_a_stream_loop_fails_no_request(world, engine):
     assert world.put("chat", world.published["chat-v2"]).status_code == 200  # beside v1
-    results, errors, stop = [], [], threading.Event()
+    results, served, errors, stop = [], [], [], threading.Event()
 
     def loop() -> None:
         with client(world, "key-all") as c:
             while not stop.is_set():
                 try:
-                    chunks = c.completions.create(
+                    raw = c.completions.with_raw_response.create(
                         model="chat", prompt="hi", max_tokens=6, stream=True, **GREEDY
                     )
-                    results.append("".join(ch.choices[0].text for ch in chunks))
+                    text = "".join(ch.choices[0].text for ch in raw.parse())
+                    results.append(text)
+                    served.append((raw.headers.get(VERSION_HEADER), text))
                 except Exception as exc:  # noqa: BLE001 - every failure is the finding
                     errors.append(repr(exc))
 
@@ -178,8 +196,21 @@ def test_a_version_swap_during_a_stream_loop_fails_no_request(world, engine):
     assert errors == []
     on_v2 = asyncio.run(engine_text(engine, engine.engine.tokenizer.encode("hi"), "chat@v2", 6))
     assert results[-1] == on_v2 and set(results) <= set(results[:count]) | {on_v2}
+    on_v1 = asyncio.run(engine_text(engine, engine.engine.tokenizer.encode("hi"), "chat@v1", 6))
+    assert {v for v, _ in served} == {"v1", "v2"}, "the header names the version that answered"
+    assert all(text == {"v1": on_v1, "v2": on_v2}[v] for v, text in served)
     assert world.put("chat", world.published["chat-v1"]).status_code == 200  # back for the other tests
     httpx.post(f"{world.admin.url}/admin/adapters/chat/alias", json={"version": "v1"}, headers=ADMIN_HEADERS)
+
+
+def test_every_answer_names_its_adapter_version_and_the_base_none(world):
+    messages = [{"role": "user", "content": "hi"}]
+    with client(world, "key-all") as c:
+        whole = c.chat.completions.with_raw_response.create(model="support", messages=messages, max_tokens=2)
+        pinned = c.completions.with_raw_response.create(model="chat@v1", prompt="hi", max_tokens=2)
+        base = c.completions.with_raw_response.create(model=MODEL_NAME, prompt="hi", max_tokens=2)
+    assert whole.headers[VERSION_HEADER] == "v1" and pinned.headers[VERSION_HEADER] == "v1"
+    assert VERSION_HEADER not in base.headers
 
 
 def test_a_client_leaving_mid_stream_frees_its_sequence(world, engine):

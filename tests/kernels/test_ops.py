@@ -6,12 +6,14 @@ On CPU the Triton kernels run in the interpreter (fp32 and fp16: it mishandles b
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
 from loraplane.kernels import lora_apply, lora_expand, lora_shrink
+from loraplane.kernels.launch_config import set_capture_policy
 from loraplane.kernels.triton_ops import LaunchConfig, pick_config, shrink_triton
 from tests.kernels.lora_case import make_case, rel_err
 
@@ -110,6 +112,36 @@ def test_triton_captured_meta_with_padding_rows(ranks, max_rank):
     of 16 gives the narrow kernels only."""
     case = make_case(num_tokens=9, num_adapters=4, ranks=ranks, capture=True, capacity=16, max_rank=max_rank)
     _check(case, _run(case, "triton"), torch.float32)
+
+
+@needs_interpreter
+@pytest.mark.parametrize(
+    "policy",
+    [
+        dict(tile_programs=3),
+        dict(tile_programs=2, n_chunk=16, k_per_program=32),
+        dict(n_chunk=64, k_per_program=16),
+    ],
+    ids=["walk3", "walk2-chunk16-k32", "chunk64-k16"],
+)
+def test_triton_captured_launch_policy_same_result(policy):
+    """Captured launches under a CapturePolicy: fewer programs than tile slots (each walks several), other
+    column chunks and split-K; same result, rows past the batch untouched; uncaptured launches ignore it."""
+    case = make_case(num_tokens=9, num_adapters=4, ranks=MIXED, capture=True, capacity=16, max_rank=128)
+    spec = case.pool.modules["qkv"]
+    old = set_capture_policy(**policy)
+    try:
+        cfg = pick_config(case.meta, spec.in_dim, spec.out_dims, torch.float32)
+        assert cfg.tile_programs == policy.get("tile_programs", 0)
+        if "n_chunk" in policy:
+            assert cfg.n_chunk <= policy["n_chunk"]
+        _check(case, _run(case, "triton"), torch.float32)
+        plain = make_case(num_tokens=9, num_adapters=4, ranks=MIXED)
+        assert pick_config(plain.meta, spec.in_dim, spec.out_dims, torch.float32).tile_programs == 0
+    finally:
+        set_capture_policy(**dataclasses.asdict(old))
+    with pytest.raises(ValueError, match="CapturePolicy.n_chunk"):
+        set_capture_policy(n_chunk=24)
 
 
 @needs_interpreter

@@ -1,4 +1,4 @@
-"""The pod's adapter lifecycle behind the admin API: pull -> verify -> load -> warm -> (serve).
+"""``AdapterRegistry``: the pod's adapter lifecycle behind the admin API: pull -> verify -> load -> warm -> (serve).
 
 One ``Entry`` per name@version, each driven by at most one asyncio task at a time, so concurrent PUTs of a
 version share one download (the host cache also locks per adapter and per blob, across processes).
@@ -78,7 +78,7 @@ class Entry:
         return adapter_key(self.spec.name, self.spec.version)
 
 
-class AdapterManager:
+class AdapterRegistry:
     """Owns the entries; every method runs on the event loop thread."""
 
     def __init__(self, engine, metrics: Metrics, puller, release, pin_cache) -> None:

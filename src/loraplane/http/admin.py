@@ -21,11 +21,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplane.engine.api import AdapterError
-from loraplane.http.adapters import FAILED, WARM, AdapterManager, LoadFailed, LoadSpec, unload_from
-from loraplane.http.app import ServerState, health, liveness
+from loraplane.http.adapters import FAILED, WARM, AdapterRegistry, LoadFailed, LoadSpec, unload_from
 from loraplane.http.auth import bearer_token
 from loraplane.http.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR
 from loraplane.http.logs import RequestLog
+from loraplane.http.state import ServerState, health, liveness
 from loraplane.http.views import adapter_views
 
 POD_FAILED = "PodFailed"  # the operator's reason for "a pod refused for another reason"
@@ -84,20 +84,20 @@ def read_admin_token(path: str | Path) -> str:
     return token
 
 
-def create_admin_app(state: ServerState, token: str, manager: AdapterManager | None = None,
+def create_admin_app(state: ServerState, token: str, registry: AdapterRegistry | None = None,
                      *, wait_s: float = DEFAULT_WAIT_S) -> FastAPI:  # fmt: skip
     """The admin app over the public app's state: one engine, one set of adapters, one metrics registry.
 
-    Without a manager (no --host-cache-dir) adapters can still be listed, switched, pinned and unloaded;
+    Without a registry (no --host-cache-dir) adapters can still be listed, switched, pinned and unloaded;
     loads from S3 answer 500 PodFailed naming the missing setting.
     """
     if not token:
         raise ValueError("admin_token: must be non-empty")
     app = FastAPI(title="loraplane admin", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
-    state.adapters = manager
+    state.adapters = registry
     _install_error_handlers(app)
-    _add_routes(app, state, manager, wait_s)
+    _add_routes(app, state, registry, wait_s)
     app.add_middleware(AdminAuth, token=token)
     app.add_middleware(RequestLog, metrics=state.metrics)
     return app
@@ -141,7 +141,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         return AdminError(422, "InvalidRequest", f"{where or 'body'}: {first['msg']}").response()
 
 
-def _add_routes(app: FastAPI, state: ServerState, manager: AdapterManager | None, wait_s: float) -> None:
+def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | None, wait_s: float) -> None:
     engine = state.engine
 
     @app.get("/health/live")
@@ -158,7 +158,7 @@ def _add_routes(app: FastAPI, state: ServerState, manager: AdapterManager | None
 
     @app.get("/admin/adapters")
     async def list_adapters(name: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None) -> dict:
-        views = adapter_views(engine.adapters(), manager.entries if manager else {})
+        views = adapter_views(engine.adapters(), registry.entries if registry else {})
         return {
             "base_hash": state.info.base_hash,
             "adapters": [v for v in views if name in (None, v["name"])],
@@ -166,18 +166,18 @@ def _add_routes(app: FastAPI, state: ServerState, manager: AdapterManager | None
 
     @app.put("/admin/adapters/{name}")
     async def load(name: AdapterName, body: LoadBody) -> JSONResponse:
-        if manager is None:
+        if registry is None:
             raise AdminError(500, POD_FAILED, "this server has no --host-cache-dir: it cannot pull adapters",
                              SERVER_ERROR)  # fmt: skip
         spec = LoadSpec(name, body.version, body.uri, body.manifest_digest, body.pin, body.warm == "gpu")
-        entry = await manager.ensure(spec, wait_s)
+        entry = await registry.ensure(spec, wait_s)
         if entry.state == FAILED and entry.error is not None:
             raise entry.error
         view = _view_of(name, body.version)
         return JSONResponse(view, status_code=200 if entry.state == WARM else 202)
 
     def _view_of(name: str, version: str) -> dict:
-        views = adapter_views(engine.adapters(), manager.entries if manager else {})
+        views = adapter_views(engine.adapters(), registry.entries if registry else {})
         return next(v for v in views if (v["name"], v["version"]) == (name, version))
 
     @app.post("/admin/adapters/{name}/alias")
@@ -193,8 +193,8 @@ def _add_routes(app: FastAPI, state: ServerState, manager: AdapterManager | None
     @app.post("/admin/adapters/{name}/pin")
     async def pin(name: AdapterName, body: PinBody) -> dict:
         try:
-            if manager is not None:
-                await manager.set_pin(name, body.version, body.pinned)
+            if registry is not None:
+                await registry.set_pin(name, body.version, body.pinned)
             else:
                 await engine.pin_adapter(name, body.version, body.pinned)
         except AdapterError as exc:
@@ -203,8 +203,8 @@ def _add_routes(app: FastAPI, state: ServerState, manager: AdapterManager | None
 
     @app.delete("/admin/adapters/{name}")
     async def unload(name: AdapterName, version: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None):
-        if manager is not None:
-            gone = await manager.unload(name, version)
+        if registry is not None:
+            gone = await registry.unload(name, version)
         else:
             gone = await unload_from(engine, name, version)
             state.metrics.unloads.inc(len(gone))

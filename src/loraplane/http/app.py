@@ -1,80 +1,26 @@
 """The FastAPI app: OpenAI routes, health probes, API keys, a body size limit, OpenAI-style errors.
 
 ``create_app`` takes a running AsyncEngine and its tokenizer; whoever built the engine closes it. Everything
-the routes need hangs off ``app.state.server`` (one ServerState), which the admin app (admin.py) shares: one
+the routes need hangs off ``app.state.server`` (one ServerState, state.py), which the admin app (admin.py) shares: one
 engine, one set of adapters, one metrics registry. The HTTP side sees the engine only through AsyncEngine's
 public methods and the types of ``engine.api``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from loraplane.engine.api import EngineInfo
 from loraplane.engine.core.async_engine import AsyncEngine
-from loraplane.http.auth import OPEN, ApiKeys, Principal
-from loraplane.http.errors import AUTHENTICATION, APIError, install_error_handlers
-from loraplane.http.limits import KeyLimits
+from loraplane.http.auth import ApiKeys
+from loraplane.http.errors import APIError, install_error_handlers
 from loraplane.http.logs import RequestLog
 from loraplane.http.metrics import Metrics
 from loraplane.http.models import ServedModels
+from loraplane.http.openai_api import router as openai_router
+from loraplane.http.state import ServerState, health, liveness, require_api_key, server_state
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits max_model_len; stops memory abuse first
-
-
-@dataclass(slots=True)
-class ServerState:
-    engine: AsyncEngine
-    tokenizer: object  # a transformers tokenizer (duck-typed: encode, decode, apply_chat_template)
-    info: EngineInfo
-    models: ServedModels
-    api_keys: ApiKeys | None
-    metrics: Metrics
-    limits: KeyLimits = field(default_factory=KeyLimits)
-    adapters: object | None = None  # the admin side's AdapterManager, once an admin app exists
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.info.vocab_size
-
-
-def server_state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-def health(state: ServerState) -> JSONResponse:
-    """Readiness: the loaded base's hash while the engine runs, 503 once it stopped."""
-    body = {"base_hash": state.info.base_hash, "model": state.models.base_name}
-    if state.engine.is_alive():
-        return JSONResponse({"status": "ready", **body})
-    return JSONResponse({"status": "engine stopped", **body}, status_code=503)
-
-
-def liveness(state: ServerState) -> JSONResponse:
-    """503 once the engine is dead, so the kubelet restarts the pod (nothing else will bring it back)."""
-    if state.engine.is_alive():
-        return JSONResponse({"status": "live"})
-    return JSONResponse({"status": "engine stopped"}, status_code=503)
-
-
-def require_api_key(request: Request) -> Principal:
-    state = server_state(request)
-    if state.api_keys is None:
-        principal = OPEN
-    else:
-        principal = state.api_keys.authenticate(request.headers.get("authorization"))
-        if principal is None:
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                           type=AUTHENTICATION, code="invalid_api_key")  # fmt: skip
-    request.state.key_name = principal.name
-    return principal
 
 
 class BodySizeLimit:
@@ -129,8 +75,6 @@ def create_app(
     metrics: Metrics | None = None,
 ) -> FastAPI:
     """The public app. Its /openapi.json needs a key whenever keys are configured."""
-    from loraplane.http.openai_api import router as openai_router
-
     if not served_model_name:
         raise ValueError("served_model_name: must be non-empty")
     if isinstance(api_keys, list):

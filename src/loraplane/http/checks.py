@@ -13,6 +13,9 @@ from loraplane.http.protocol import ChatCompletionRequest, CompletionRequest
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
+MAX_STOP_STRINGS = 4  # OpenAI's documented bound ("up to 4 sequences")
+MAX_STOP_CHARS = 4096  # all stop strings together: each is matched against the output on the engine thread
+
 
 def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
     if body.n != 1:
@@ -22,6 +25,7 @@ def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
             raise bad_request(f"{name}: not supported (only 0)", name)
     if body.logit_bias:
         raise bad_request("logit_bias: not supported", "logit_bias")
+    check_stop(body.stop)
     if body.top_k is not None and body.top_k > vocab_size:
         raise bad_request(
             f"top_k: must be at most the vocabulary size {vocab_size}, got {body.top_k}", "top_k"
@@ -42,6 +46,15 @@ def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
             raise bad_request("best_of: only 1 is supported", "best_of")
         if body.suffix:
             raise bad_request("suffix: not supported", "suffix")
+
+
+def check_stop(stop: str | list[str] | None) -> None:
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request(f"stop: at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}", "stop")
+    chars = sum(len(s) for s in stops)
+    if chars > MAX_STOP_CHARS:
+        raise bad_request(f"stop: at most {MAX_STOP_CHARS} characters in all, got {chars}", "stop")
 
 
 def fit_max_tokens(

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplane.engine.api import OverloadedError
-from loraplane.engine.core.async_engine import EngineDeadError
+from loraplane.engine.core.errors import EngineDeadError
 from loraplane.http.protocol import ErrorInfo, ErrorResponse
 
 log = logging.getLogger("loraplane.http")

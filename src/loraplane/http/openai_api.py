@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplane.engine.api import AdapterError, OverloadedError
-from loraplane.http.app import ServerState, require_api_key, server_state
 from loraplane.http.auth import Principal
 from loraplane.http.checks import (
     chat_prompt,
@@ -37,6 +36,7 @@ from loraplane.http.protocol import (
     now,
 )
 from loraplane.http.runs import RequestFailed, Run
+from loraplane.http.state import ServerState, require_api_key, server_state
 from loraplane.http.streaming import (
     ChatStream,
     CompletionStream,
@@ -50,6 +50,7 @@ from loraplane.http.streaming import (
 router = APIRouter()
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+VERSION_HEADER = "X-Loraplane-Adapter-Version"  # the adapter version that answered (fixed at arrival)
 COMPLETIONS_DEFAULT_MAX_TOKENS = (
     16  # OpenAI's default for /v1/completions; chat defaults to all the room left
 )
@@ -59,6 +60,15 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = (
 async def list_models(request: Request, principal: Principal = Depends(require_api_key)) -> ModelList:
     state = server_state(request)
     return ModelList(data=state.models.cards(state.engine, principal))
+
+
+def _served_by(target: Target, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Response headers: ``extra``, plus the version an adapter request runs on, so that a client can tell
+    which version of an alias answered across a switch (absent for the base)."""
+    headers = dict(extra or {})
+    if target.version is not None:
+        headers[VERSION_HEADER] = target.version
+    return headers
 
 
 def _target(request: Request, state: ServerState, model: str, principal: Principal) -> Target:
@@ -72,7 +82,7 @@ def _start(request: Request, state: ServerState, principal: Principal, target: T
            sampling, request_id: str, prompt_param: str):  # fmt: skip
     """Admit under the key's limits and submit; (run, outputs). Refusals come back as HTTP errors."""
     try:
-        ticket = state.limits.admit(principal, len(prompt))
+        ticket = state.limits.admit(principal, len(prompt), sampling.max_tokens)
     except LimitExceeded as exc:
         state.metrics.rejected.labels("key_limit").inc()
         raise too_many_requests(exc.message, exc.retry_after_s, "rate_limit_exceeded") from None
@@ -132,7 +142,9 @@ async def chat_completions(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         render = ChatStream(request_id, body.model, created, include_usage, num_logprobs, texts)
         events = sse(request, state.engine, request_id, outputs, render)
-        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS)
+        )
     result = await _collect(request, state, request_id, outputs, "messages")
     logprobs = None
     if num_logprobs is not None:
@@ -143,7 +155,7 @@ async def chat_completions(
     response = ChatCompletion(
         id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
     )
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=_served_by(target))
 
 
 @router.post("/completions")
@@ -169,7 +181,9 @@ async def completions(
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         render = CompletionStream(request_id, body.model, created, include_usage, body.logprobs, texts)
         events = sse(request, state.engine, request_id, outputs, render)
-        return StreamingResponse(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS)
+        )
     result = await _collect(request, state, request_id, outputs, "prompt")
     logprobs = None
     if body.logprobs is not None:
@@ -178,4 +192,4 @@ async def completions(
     response = Completion(
         id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
     )
-    return JSONResponse(response.model_dump())
+    return JSONResponse(response.model_dump(), headers=_served_by(target))

@@ -11,7 +11,8 @@ import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import PydanticCustomError
 
 MAX_TOP_LOGPROBS = 20  # = sequence.MAX_LOGPROBS; kept here so this module stays engine-free
 SEED_LIMIT = 1 << 63  # the sampler seeds a torch.Generator: a signed 64-bit integer
@@ -28,8 +29,37 @@ Penalty = Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-2.0, le=2
 TopLogprobs = Annotated[int, Field(strict=True, ge=0, le=MAX_TOP_LOGPROBS)]
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """JSON's \\ud800 escapes decode to a str no tokenizer (or UTF-8 encoder) can take. Iterative: a deeply
+    nested value must not exhaust the stack."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, list | tuple):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+    return False
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        # Nested requests (messages, their parts) check their own fields, so the error names the deepest one.
+        if _has_lone_surrogate(value):
+            raise PydanticCustomError(
+                "unicode", "must be valid Unicode: a lone UTF-16 surrogate (\\ud800-\\udfff) is not text"
+            )
+        return value
 
 
 class StreamOptions(_Request):

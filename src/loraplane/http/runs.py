@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loraplane.engine.api import OverloadedError
-from loraplane.engine.core.async_engine import EngineDeadError
+from loraplane.engine.core.errors import EngineDeadError
 from loraplane.http.limits import Ticket
 from loraplane.http.metrics import Metrics
 from loraplane.http.models import Target

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from loraplane.engine.api import OverloadedError
-from loraplane.engine.core.async_engine import AsyncEngine, EngineDeadError
+from loraplane.engine.core.async_engine import AsyncEngine
+from loraplane.engine.core.errors import EngineDeadError
 from loraplane.http.errors import SERVER_ERROR, APIError, engine_stopped, too_many_requests
 from loraplane.http.protocol import (
     ChatChunkChoice,

@@ -1,4 +1,4 @@
-"""What ``GET /admin/adapters`` shows of each adapter version: the admin manager's entry (source, phase,
+"""What ``GET /admin/adapters`` shows of each adapter version: the admin side's AdapterRegistry entry (source, phase,
 timings, last error) merged with the engine's truth (state, tier, bytes, serving)."""
 
 from __future__ import annotations

@@ -12,7 +12,15 @@ import torch
 
 from loraplane.kernels.metadata import LoRABatchMeta
 
-__all__ = ["LaunchConfig", "align_hint", "pick_config", "slice_geometry"]
+__all__ = [
+    "CapturePolicy",
+    "LaunchConfig",
+    "align_hint",
+    "capture_policy",
+    "pick_config",
+    "set_capture_policy",
+    "slice_geometry",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +42,7 @@ class LaunchConfig:
     fused: bool = False
     shrink_programs: int = 1024  # upper bound on grid dim 0 x split for shrink
     expand_programs: int = 16384  # upper bound on grid dim 0 x dim 1 for expand
+    tile_programs: int = 0  # upper bound on grid dim 0 (programs walk tiles g, g + G, ...); 0: none
     num_warps: int = 4
     num_stages: int = 3
 
@@ -46,6 +55,44 @@ class LaunchConfig:
             raise ValueError("LaunchConfig block sizes must be >= 16 (tl.dot's minimum)")
         if self.n_chunk < self.block_n:
             raise ValueError(f"LaunchConfig.n_chunk ({self.n_chunk}) must be >= block_n ({self.block_n})")
+
+
+@dataclass(frozen=True, slots=True)
+class CapturePolicy:
+    """Launch shape of captured (CUDA-graph decode) launches, whose grid is fixed before any step is seen:
+    the buffers hold ``capacity`` tile slots, but a step of one adapter fills a few of them.
+
+    ``tile_programs``: grid dim 0 (each program walks tile slots g, g + G, ...); 0: one per slot.
+    ``n_chunk``: expand columns per program (power of two); 0: the occupancy rule over all slots.
+    ``k_per_program``: shrink's split-K target, columns of A per program; 0: the occupancy rule.
+    """
+
+    tile_programs: int = 0
+    n_chunk: int = 0
+    k_per_program: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("tile_programs", "n_chunk", "k_per_program"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0 or (name != "tile_programs" and v and v & (v - 1)):
+                raise ValueError(
+                    f"CapturePolicy.{name} must be 0 or a positive {'power of two' if name != 'tile_programs' else 'int'}, got {v!r}"
+                )
+
+
+_CAPTURE = [CapturePolicy()]
+
+
+def capture_policy() -> CapturePolicy:
+    return _CAPTURE[0]
+
+
+def set_capture_policy(**fields) -> CapturePolicy:
+    """Replace the captured launches' policy (``CapturePolicy`` fields); returns the old one. Call it before
+    a graph is captured: a graph keeps the launches it captured."""
+    old = _CAPTURE[0]
+    _CAPTURE[0] = CapturePolicy(**fields)
+    return old
 
 
 def pow2_at_least(n: int, lo: int) -> int:
@@ -69,6 +116,7 @@ def pick_config(
     depends on the buffers' capacity only, so a captured graph stays valid for any batch that fits.
     Every kernel also keeps a 16-row copy of its loops for tiles of rank <= 16."""
     sms = _num_sms(meta.device)
+    policy = _CAPTURE[0] if meta.capture else CapturePolicy()
     tiles_bound = meta.capacity if meta.capture else max(1, meta.host_num_tiles)
     slices_p2 = pow2_at_least(len(out_dims), 1)
     prefill = meta.tile_m >= 64
@@ -82,7 +130,7 @@ def pick_config(
         split = 2  # run 2 sweep: 10-20% over split 1 at T=8192
     else:
         # Split K so each program reads ~256 (tiny batches) to ~1024 columns of A; planes summed by expand.
-        k_per = 256 if tiles_bound <= 16 else 1024
+        k_per = policy.k_per_program or (256 if tiles_bound <= 16 else 1024)
         split = 1
         while split < 16 and in_dim // (split * 2) >= max(k_per, block_k):
             split *= 2
@@ -103,6 +151,10 @@ def pick_config(
             and tiles_bound * (total // (n_chunk * 2)) >= 2 * sms
         ):
             n_chunk *= 2
+        if policy.n_chunk:  # the largest power of two <= the policy's that divides every width
+            n_chunk = block_n
+            while n_chunk * 2 <= min(2048, policy.n_chunk) and gcd % (n_chunk * 2) == 0:
+                n_chunk *= 2
     else:
         # Ragged widths (e.g. 107, 2049 from tensor-parallel shards): the last column tile of a slice is
         # masked, and chunks stop at the slice's end; same ~2 programs per SM rule.
@@ -114,9 +166,11 @@ def pick_config(
             and tiles_bound * sum(-(-w // (n_chunk * 2)) for w in out_dims) >= 2 * sms
         ):
             n_chunk *= 2
+        if policy.n_chunk:
+            n_chunk = max(block_n, min(policy.n_chunk, 2048, widest))
     return LaunchConfig(
         block_r=block_r, shrink_block_r=shrink_block_r, block_k=block_k, block_n=block_n, n_chunk=n_chunk,
-        split_k=split, fused=False, num_stages=3,
+        split_k=split, fused=False, num_stages=3, tile_programs=policy.tile_programs,
     )  # fmt: skip
 
 

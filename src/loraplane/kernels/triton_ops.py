@@ -282,7 +282,7 @@ def shrink_launch(x, a, page_table, meta: LoRABatchMeta, page_rank: int, max_ran
         return None, shape
     k_per = -(-k_dim // cfg.split_k)
     k_per = -(-k_per // cfg.block_k) * cfg.block_k
-    g = max(1, min(bound, cfg.shrink_programs // cfg.split_k))
+    g = max(1, min(bound, cfg.shrink_programs // cfg.split_k, cfg.tile_programs or bound))
     constexprs = dict(
         NUM_SLICES=num_slices, SLICES_P2=pow2_at_least(num_slices, 1), PAGE=page_rank,
         MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.shrink_block_r),
@@ -346,7 +346,7 @@ def expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABatchMeta
         return None
     packed = (0,) * len(out_dims) if pools else None
     chunks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.n_chunk, packed)
-    g = max(1, min(bound, cfg.expand_programs // chunks))
+    g = max(1, min(bound, cfg.expand_programs // chunks, cfg.tile_programs or bound))
     constexprs = dict(
         NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
         BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.block_r), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n,

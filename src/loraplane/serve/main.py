@@ -46,6 +46,8 @@ def build_engine(options: ServeOptions, tokenizer):
         config = dataclasses.replace(config, gpu_memory_utilization=options.kv_cache_fraction)
     if options.memory_mode is not None:
         config = dataclasses.replace(config, memory_mode=options.memory_mode)
+    if options.lora_merge:
+        config = dataclasses.replace(config, lora_merge=True)
     adapters = {"max_lora_rank": options.max_rank, "lora_pool_bytes": options.gpu_adapter_bytes,
                 "lora_host_bytes": options.host_adapter_bytes}  # fmt: skip
     config = dataclasses.replace(config, **{k: v for k, v in adapters.items() if v is not None})
@@ -107,7 +109,7 @@ async def prepare(app) -> None:
     request needs them. A pinned one is parsed now and must fit the GPU pools."""
     from loraplane.artifacts.errors import ArtifactError
     from loraplane.engine.api import AdapterError
-    from loraplane.http.sources import open_local_folder
+    from loraplane.serve.sources import open_local_folder
 
     state, options = app.state.server, app.state.options
     keys = app.state.trusted_keys
@@ -144,21 +146,21 @@ def _is_loopback(host: str) -> bool:
 
 def build_admin_app(app, token: str):
     """The admin app over ``app``'s state; it pulls adapters when the server has a host cache."""
-    from loraplane.http.adapters import AdapterManager
+    from loraplane.http.adapters import AdapterRegistry
     from loraplane.http.admin import create_admin_app
-    from loraplane.http.sources import S3Source
+    from loraplane.serve.sources import S3Source
 
     state = app.state.server
     options = getattr(app.state, "options", None)
-    manager = None
+    registry = None
     if options is not None and options.host_cache_dir is not None:
         source = S3Source.create(options.host_cache_dir, options.host_adapter_bytes,
                                  app.state.trusted_keys, state.engine.info)  # fmt: skip
-        manager = AdapterManager(state.engine, state.metrics, source.pull, source.release, source.pin)
+        registry = AdapterRegistry(state.engine, state.metrics, source.pull, source.release, source.pin)
         state.metrics.watch_engine(state.engine, source.cache)
     else:
         state.metrics.watch_engine(state.engine)
-    return create_admin_app(state, token, manager)
+    return create_admin_app(state, token, registry)
 
 
 async def serve_all(servers, before=None) -> None:

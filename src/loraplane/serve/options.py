@@ -43,6 +43,7 @@ class ServeOptions:
     trusted_keys_dir: str | None = None
     tensor_parallel_size: int | None = None  # processes the base is split over, one GPU each (None: 1)
     memory_mode: str | None = None  # EngineConfig.memory_mode: "split" or "unified" (None: its default)
+    lora_merge: bool | None = None  # EngineConfig.lora_merge (None: its default, off)
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -197,6 +198,13 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
         "and the share follows the load",
     )
     pod.add_argument(
+        "--lora-merge",
+        action="store_true",
+        default=None,
+        help="merge a dominant adapter into a copy of the projection weights (its steps cost a base step; "
+        "the copy comes out of the KV cache)",
+    )
+    pod.add_argument(
         "--kv-cache-fraction", type=float, help="fraction of free GPU memory for weights + KV (0, 1]"
     )
     pod.add_argument(
@@ -227,6 +235,7 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
             "trusted_keys_dir",
             "tensor_parallel_size",
             "memory_mode",
+            "lora_merge",
         )
     }
     return ServeOptions(

@@ -30,13 +30,10 @@ from typing import Any
 
 from loraplane.engine.api import MEMORY_USES, AdapterError, AdapterInfo, EngineInfo, StepStats, adapter_key
 from loraplane.engine.core.config import EngineConfig
-from loraplane.engine.core.llm_engine import LLMEngine, RequestError, RequestOutput
+from loraplane.engine.core.errors import EngineDeadError, RequestError
+from loraplane.engine.core.llm_engine import LLMEngine, RequestOutput
 from loraplane.engine.core.sequence import SamplingParams
 from loraplane.engine.model.detokenizer import TokenizerLike
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped (it failed, or the engine was closed); no more outputs will come."""
 
 
 @dataclass(slots=True)
@@ -159,13 +156,13 @@ class AsyncEngine:
 
             targets = TARGET_MODULES
         return EngineInfo(
-            base_hash=getattr(runner, "base_hash", "in-memory"),
+            base_hash=runner.base_hash,
             max_model_len=self.engine.max_model_len,
-            vocab_size=getattr(runner, "vocab_size", 0),
+            vocab_size=runner.vocab_size,
             max_lora_rank=self.engine.config.max_lora_rank if lora is not None else 0,
             target_modules=targets,
-            device=str(getattr(runner, "device", "cpu")),
-            dtype=str(getattr(runner, "dtype", "float32")).removeprefix("torch."),
+            device=str(runner.device),
+            dtype=str(runner.dtype).removeprefix("torch."),
         )
 
     def adapters(self) -> list[AdapterInfo]:
@@ -187,20 +184,18 @@ class AsyncEngine:
         ``on_disk``: register it from its config and header alone; it loads when a request needs it.
         Idempotent per name@version and digest; another digest under the same name@version is a conflict."""
         lora = self._lora("adapter")
-        base = getattr(self.engine.runner, "base_hash", "in-memory")
+        base = self.engine.runner.base_hash
         if expected_base_hash is not None and expected_base_hash != base:
             raise AdapterError(
                 "BaseMismatch",
                 f"{name}@{version}: built for base {expected_base_hash}, this engine serves {base}",
             )
-        key = adapter_key(name, version)
-        with lora.lock:
-            old = lora.versions.get(key)
-        if old is None and on_disk:
+        registered = lora.is_registered(adapter_key(name, version))
+        if not registered and on_disk:
             return await asyncio.to_thread(
                 lora.register_on_disk, name, version, Path(folder), digest, pin=pin
             )
-        if old is None:
+        if not registered:
             start = time.perf_counter()
             weights = await asyncio.to_thread(lora.parse, Path(folder))
             return lora.register(name, version, Path(folder), digest, weights, pin=pin,
@@ -215,14 +210,9 @@ class AsyncEngine:
         lora.get(key)
 
         def warm() -> AdapterInfo:
-            v = lora.get(key)
             if gpu and not (only_if_room and not lora.has_room_for(key)):
-                try:
-                    v.timings["warm"] = self.engine.runner.warm_adapter(key)
-                except AdapterError as error:
-                    v.state, v.error = "failed", f"{error.reason}: {error}"
-                    raise
-                v.state, v.error = "warm", None
+                return self.engine.warm_adapter(key)
+            lora.get(key)  # AdapterNotFound once it is unloading
             return lora.info(key)
 
         return await self._on_engine_thread(warm)
@@ -246,7 +236,7 @@ class AsyncEngine:
         self._step_listeners.append(fn)
 
     def _lora(self, need: str | None):
-        lora = getattr(self.engine.runner, "lora", None)
+        lora = self.engine.adapters
         if lora is None and need is not None:
             raise AdapterError(
                 "UnsupportedAdapter", f"{need}: this engine serves no adapters (EngineConfig.enable_lora)"

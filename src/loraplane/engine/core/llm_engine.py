@@ -10,11 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from loraplane.engine.api import AdapterError
+from loraplane.engine.api import AdapterError, AdapterInfo
 from loraplane.engine.core.block_manager import BlockManager
 from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.errors import EngineFault, is_device_fault
+from loraplane.engine.core.runner import Runner, SampledToken
 from loraplane.engine.core.scheduler import ScheduledBatch, Scheduler
 from loraplane.engine.core.sequence import SamplingParams, Sequence, validate_prompt
 from loraplane.engine.model.detokenizer import IncrementalDetokenizer, TokenizerLike
@@ -23,31 +25,13 @@ FINISH_REASONS = ("stop", "length", "abort", "error")
 # A step in which every request failed hints at a broken engine rather than bad requests; this many in a row
 # stop the engine (its liveness then fails and the pod restarts).
 MAX_ALL_FAILED_STEPS = 3
-_DEVICE_FAULT_TYPES = {"AcceleratorError", "CudaError", "OutOfMemoryError", "DeferredCudaCallError"}
-_DEVICE_FAULT_TEXT = ("CUDA error", "CUDA out of memory", "device-side assert", "CUBLAS_STATUS", "cuDNN")
 
 IDLE_WAIT_S = 0.05  # the longest a stalled loop blocks between looks (time-based limits are this coarse)
 
+if TYPE_CHECKING:
+    from loraplane.engine.lora.manager import AdapterTiers
+
 log = logging.getLogger(__name__)
-
-
-class RequestError(RuntimeError):
-    """One request failed inside an engine step; the engine went on with the others."""
-
-    def __init__(self, request_id: str, message: str) -> None:
-        super().__init__(f"request {request_id!r} failed in the engine: {message}")
-        self.request_id = request_id
-
-
-class EngineFault(RuntimeError):
-    """A failure of the engine itself (a broken invariant), never blamed on a request: it stops the engine."""
-
-
-def is_device_fault(error: BaseException) -> bool:
-    """A fault of the accelerator itself (its context is no longer trustworthy): it stops the engine."""
-    if any(cls.__name__ in _DEVICE_FAULT_TYPES for cls in type(error).__mro__):
-        return True
-    return any(text in str(error) for text in _DEVICE_FAULT_TEXT)
 
 
 @dataclass(slots=True)
@@ -79,7 +63,7 @@ class EngineStats:
     unified_memory: dict | None = None
 
 
-def _build_runner(config: EngineConfig):
+def _build_runner(config: EngineConfig) -> Runner:
     from loraplane.engine.model.runner import (
         ModelRunner,  # torch is imported only when a real model is served
     )
@@ -93,24 +77,24 @@ def _build_runner(config: EngineConfig):
 
 class LLMEngine:
     def __init__(
-        self, config: EngineConfig, runner: Any = None, tokenizer: TokenizerLike | None = None
+        self, config: EngineConfig, runner: Runner | None = None, tokenizer: TokenizerLike | None = None
     ) -> None:
         self.config = config
-        self.runner = runner if runner is not None else _build_runner(config)
+        self.runner: Runner = runner if runner is not None else _build_runner(config)
         self.tokenizer = tokenizer
         self.eos_token_ids = frozenset(self.runner.eos_token_ids)
         block_manager = BlockManager(
             self.runner.num_kv_blocks,
             self.runner.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            memory=getattr(self.runner, "memory", None),  # unified: KV blocks come from the shared arena
+            memory=self.runner.memory,  # unified: KV blocks come from the shared arena
         )
         self.scheduler = Scheduler(
             block_manager,
             config.max_num_seqs,
             config.max_num_batched_tokens,
             self.runner.max_model_len,
-            residency=getattr(self.runner, "residency", None),
+            residency=self.runner.residency,
             max_passed_over_s=config.max_passed_over_s,
             max_waiting_seqs=config.max_waiting_seqs,
             max_queue_wait_s=config.max_queue_wait_s,
@@ -129,13 +113,13 @@ class LLMEngine:
         """Raise ValueError (naming the field) for a request the engine cannot take, or OverloadedError when it
         cannot take more now; safe to call from any thread."""
         validate_prompt(prompt_token_ids)
-        vocab_size = getattr(self.runner, "vocab_size", None)
-        if vocab_size is not None and max(prompt_token_ids) >= vocab_size:
+        vocab_size = self.runner.vocab_size
+        if max(prompt_token_ids) >= vocab_size:
             raise ValueError(f"prompt_token_ids: token ids must be < the vocabulary size {vocab_size}")
         self.scheduler.check_prompt_len(len(prompt_token_ids))
         if sampling.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop: stop strings need an engine built with a tokenizer")
-        if vocab_size is not None and sampling.top_k > vocab_size:
+        if sampling.top_k > vocab_size:
             raise ValueError(
                 f"SamplingParams.top_k: must be at most the vocabulary size {vocab_size}, got {sampling.top_k}"
             )
@@ -184,6 +168,27 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    # --- adapters ---------------------------------------------------------------------------------------------
+    @property
+    def adapters(self) -> AdapterTiers | None:
+        """The adapters' versions, aliases and tiers (load, alias, pin, views); None without adapters."""
+        return self.runner.lora
+
+    def warm_adapter(self, key: str) -> AdapterInfo:
+        """Make ``key`` resident and run one real forward through it (the engine thread: it uses the device).
+        AdapterError('WarmFailed') when the logits are not finite; the version is then marked failed."""
+        tiers = self.adapters
+        if tiers is None:
+            raise AdapterError("UnsupportedAdapter", "adapter: this engine serves no adapters")
+        tiers.get(key)  # AdapterNotFound once it is unloading
+        try:
+            seconds = self.runner.warm_adapter(key)
+        except AdapterError as error:
+            tiers.mark_failed(key, error)
+            raise
+        tiers.mark_warm(key, seconds)
+        return tiers.info(key)
+
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
@@ -218,8 +223,8 @@ class LLMEngine:
         copies landing on the device be noticed)."""
         if not self.stalled:
             return None
-        wait = getattr(self.scheduler.residency, "idle_wait_s", None)
-        return wait() if wait is not None else IDLE_WAIT_S
+        tiers = self.adapters
+        return tiers.idle_wait_s() if tiers is not None else IDLE_WAIT_S
 
     def _execute(self, batch: ScheduledBatch) -> list:
         if not batch.chunks:
@@ -248,7 +253,7 @@ class LLMEngine:
     def _isolate(self, batch: ScheduledBatch, error: Exception) -> list:
         """The step failed: find the requests that fail even alone (bisecting the step), fail those, and keep
         the tokens of the others. Re-running a chunk rewrites the same KV slots with the same values."""
-        tokens: dict[int, Any] = {}  # by seq_id
+        tokens: dict[int, SampledToken] = {}  # by seq_id
         culprits: list[tuple[Any, Exception]] = []
         self._bisect(batch.chunks, error, tokens, culprits)
         if len(culprits) == len(batch.chunks):
@@ -302,7 +307,7 @@ class LLMEngine:
                 self._pending = []
         return outputs
 
-    def _append_token(self, seq: Sequence, token: Any) -> RequestOutput:
+    def _append_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         token_id = int(token.token_id)
         seq.append_token(token_id)
         reason = self._finish_reason(seq, token_id)
@@ -328,7 +333,7 @@ class LLMEngine:
         self._requests.pop(seq.request_id, None)
 
     @staticmethod
-    def _logprobs(seq: Sequence, token: Any) -> list[dict[int, float]] | None:
+    def _logprobs(seq: Sequence, token: SampledToken) -> list[dict[int, float]] | None:
         if seq.sampling.logprobs is None or token.logprob is None:
             return None
         entry = dict(token.top_logprobs or {})

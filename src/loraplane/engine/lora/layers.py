@@ -15,6 +15,7 @@ read by every layer; a module no token of the step uses has no metadata and cost
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from loraplane.engine.lora.weights import TARGET_MODULES, module_shapes
@@ -38,6 +39,8 @@ class LoRAStepState:
     def __init__(self, pools: dict[str, LoRAPool]) -> None:
         self.pools = pools
         self.metas: dict[str, LoRABatchMeta | None] = dict.fromkeys(pools)
+        # The step runs on the merged weights (merge.py): every token has the merged adapter, no LoRA op.
+        self.merged = False
 
 
 class LoRALinear(nn.Module):
@@ -50,6 +53,7 @@ class LoRALinear(nn.Module):
         self.layer = layer
         self.slices = slices  # (PEFT module, first column, end column) inside the packed output
         self.state = state
+        self.merged_weight: torch.Tensor | None = None  # [out, in] W + the merged adapter's delta (merge.py)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -60,6 +64,8 @@ class LoRALinear(nn.Module):
         return self.base_layer.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.state.merged and self.merged_weight is not None:  # the adapter is inside the weights
+            return F.linear(x, self.merged_weight, self.base_layer.bias)
         y = self.base_layer(x)  # [T, out_total]
         metas, pools = self.state.metas, self.state.pools
         live = [(module, c0, c1) for module, c0, c1 in self.slices if metas[module] is not None]

@@ -1,4 +1,5 @@
-"""The engine's adapter registry: versions, aliases, tiers, and the scheduler's ``AdapterResidency``.
+"""``AdapterTiers``: the engine's adapter versions, their aliases, where their weights are (GPU, host, disk),
+and the scheduler's ``AdapterResidency``.
 
 A version is ``name@version``; its identity is the manifest digest. ``register`` puts a parsed, validated
 version in the host tier; the scheduler then ``request``s it toward the GPU (disk -> host parses on the
@@ -50,7 +51,7 @@ class _Version:
     ranks: dict[str, int] = field(default_factory=dict)  # module -> rank (what it needs in each pool)
 
 
-class AdapterManager:
+class AdapterTiers:
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
                  host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
                  graph_batch_size: int = 0, gpu_tier: GpuTier | None = None) -> None:  # fmt: skip
@@ -62,9 +63,7 @@ class AdapterManager:
         self.aliases: dict[str, str] = {}  # name -> serving version
         self.host = HostTier(host_bytes)
         self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
-        if hasattr(self.gpu, "reclaim"):  # unified memory: KV may evict what nothing needs, under the lock
-            self.gpu.evictable = self._gpu_evictable
-            self.gpu.memory.adapter_reclaimer = self._reclaim_for_kv
+        self.gpu.share_with_kv(self._gpu_evictable, self._reclaim_for_kv)  # unified memory: KV may evict
         self.wanted: set[str] = set()  # requested toward the GPU and not there yet
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
@@ -186,6 +185,24 @@ class AdapterManager:
             v = self.versions.get(key)
             if v is not None:
                 v.in_flight += delta
+
+    def is_registered(self, key: str) -> bool:
+        """Whether ``key`` is registered, in any state (unloading included)."""
+        with self.lock:
+            return key in self.versions
+
+    def mark_warm(self, key: str, seconds: float) -> None:
+        """A real forward ran through ``key``, in ``seconds``."""
+        with self.lock:
+            v = self.versions[key]
+            v.timings["warm"] = seconds
+            v.state, v.error = "warm", None
+
+    def mark_failed(self, key: str, error: AdapterError) -> None:
+        """``key`` can never serve (its warm-up forward failed): its requests fail, ``info`` shows why."""
+        with self.lock:
+            v = self.versions[key]
+            v.state, v.error = "failed", f"{error.reason}: {error}"
 
     def has_room_for(self, key: str) -> bool:
         """Resident already, or it fits the GPU pools without evicting anything."""

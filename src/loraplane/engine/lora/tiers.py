@@ -71,6 +71,9 @@ class GpuTier:
         # TP hook: rank 0 repeats every copy and eviction on the workers (parallel/lora_sync.py)
         self.mirror = None
 
+    def share_with_kv(self, evictable: Callable[[str], bool], reclaim_for_kv: Callable) -> None:
+        """Pools of its own share nothing with KV (the unified memory's tier overrides this)."""
+
     # -- accounting ---------------------------------------------------------------------------------------
     @property
     def capacity_bytes(self) -> int:

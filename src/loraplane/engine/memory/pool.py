@@ -94,6 +94,12 @@ class UnifiedGpuTier(GpuTier):
         self.evictable = lambda key: True  # set by the adapter manager
         memory.adapter_reclaimer = self.reclaim
 
+    def share_with_kv(self, evictable, reclaim_for_kv) -> None:
+        """KV may evict the versions ``evictable`` allows, through ``reclaim_for_kv`` (the adapter side's,
+        which takes its lock and spares what waiting requests need, then calls ``reclaim``)."""
+        self.evictable = evictable
+        self.memory.adapter_reclaimer = reclaim_for_kv
+
     @property
     def capacity_bytes(self) -> int:
         return self.memory.num_blocks * self.memory.block_bytes  # adapters may grow to the whole arena

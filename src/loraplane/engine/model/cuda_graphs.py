@@ -3,11 +3,17 @@
 A decode step of B sequences is padded to the smallest captured bucket >= B: padding rows get slot -1
 (no KV write) and context length 0 (the decode kernel writes zeros), so they cost a few idle programs.
 All graphs share one memory pool and one set of static input buffers, captured largest first.
+
+With adapters the runner keeps up to three families of such graphs and ``graph_family`` picks one per
+step: 'base' (captured without any LoRA launch: no token has an adapter), 'merged' (the base kernels on
+the merged weights, engine/lora/merge.py: every token has the merged adapter) and 'lora' (every module's
+LoRA launches over fixed metadata buffers: serves any step).
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Collection, Sequence
 
 import torch
 
@@ -75,3 +81,16 @@ class DecodeGraphs:
             self.seq_lens[B:bs].zero_()
         self.graphs[bs].replay()
         return self.logits[bs][:B]
+
+
+def graph_family(adapters: Sequence[str | None], merged: bool, captured: Collection[str]) -> str:
+    """The family of graphs that replays a decode step whose rows carry ``adapters`` (key or None):
+    'merged' when the step runs on merged weights, 'base' when no row has an adapter, else 'lora'. A
+    family that was not ``captured`` falls back to 'lora', whose LoRA launches serve any step."""
+    if merged:
+        family = "merged"
+    elif all(a is None for a in adapters):
+        family = "base"
+    else:
+        family = "lora"
+    return family if family in captured else "lora"

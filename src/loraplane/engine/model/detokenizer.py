@@ -6,7 +6,9 @@ token is decoded inside a short window: text = decode(ids[prefix:]) minus decode
 only moves on once the text no longer ends in a replacement character.
 
 Stop strings truncate the output where they begin. While streaming, text that could still turn into a stop
-string (a suffix that is a prefix of one) is held back, so a client never sees half a stop string.
+string (a suffix that is a prefix of one) is held back, so a client never sees half a stop string. Both checks
+run per token on the engine thread, so they cost only the new characters (a Knuth-Morris-Pratt automaton per
+stop string), never the length of the text so far or of the stop strings.
 """
 
 from __future__ import annotations
@@ -21,6 +23,57 @@ class TokenizerLike(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def _failure_table(pattern: str) -> list[int]:
+    """fail[i]: the length of the longest proper prefix of pattern[: i + 1] that is also its suffix."""
+    fail, k = [0] * len(pattern), 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = fail[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+class StopMatcher:
+    """Finds stop strings in text fed piece by piece, in time linear in the text.
+
+    For every stop string it keeps how many of its first characters the text fed so far ends with (the KMP
+    state), so "does one end in the new piece?" and "how long a tail could still become one?" read only the
+    new characters.
+    """
+
+    __slots__ = ("stops", "_fail", "_state")
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = tuple(s for s in stops if s)  # an empty stop string can never be waited for
+        self._fail = [_failure_table(s) for s in self.stops]
+        self._state = [0] * len(self.stops)
+
+    def feed(self, piece: str, offset: int) -> tuple[int, str] | None:
+        """Advance over ``piece`` (which starts at ``offset`` of the whole text); the earliest-starting stop
+        string that ends inside it as (its start in the whole text, the string), else None."""
+        found: tuple[int, str] | None = None
+        for i, stop in enumerate(self.stops):
+            fail, state = self._fail[i], self._state[i]
+            for j, char in enumerate(piece):
+                while state and stop[state] != char:
+                    state = fail[state - 1]
+                if stop[state] == char:
+                    state += 1
+                if state == len(stop):  # this string's first match: later ones start later
+                    start = offset + j + 1 - len(stop)
+                    if found is None or start < found[0]:
+                        found = (start, stop)
+                    break
+            self._state[i] = state
+        return found
+
+    def held_back(self) -> int:
+        """The length of the longest tail of the text fed so far that is a proper prefix of a stop string."""
+        return max(self._state, default=0)
+
+
 class IncrementalDetokenizer:
     __slots__ = (
         "tokenizer",
@@ -30,6 +83,7 @@ class IncrementalDetokenizer:
         "read_offset",
         "text",
         "stop",
+        "_matcher",
         "skip_special_tokens",
         "stopped_on",
         "_emitted",
@@ -51,6 +105,7 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(0, self.read_offset - _PREFIX_WINDOW)
         self.text = ""  # the output so far, truncated at a stop string once one matched
         self.stop = stop
+        self._matcher = StopMatcher(stop)
         self.skip_special_tokens = skip_special_tokens
         self.stopped_on: str | None = None  # the stop string that ended the output
         self._emitted = 0  # chars of self.text already handed out by take_delta()
@@ -73,15 +128,11 @@ class IncrementalDetokenizer:
         return self._check_stop(previous_len)
 
     def _check_stop(self, previous_len: int) -> bool:
-        earliest = -1
-        for stop in self.stop:
-            # Only a match that ends in the new text can be new; it may start up to len(stop) - 1 chars earlier.
-            index = self.text.find(stop, max(0, previous_len - len(stop) + 1))
-            if index != -1 and (earliest == -1 or index < earliest):
-                earliest, self.stopped_on = index, stop
-        if earliest == -1:
+        found = self._matcher.feed(self.text[previous_len:], previous_len)
+        if found is None:
             return False
-        self.text = self.text[:earliest]
+        start, self.stopped_on = found
+        self.text = self.text[:start]
         return True
 
     def flush(self) -> None:
@@ -92,21 +143,11 @@ class IncrementalDetokenizer:
             self.text += new_text[len(prefix_text) :]
             self.prefix_offset = self.read_offset = len(self.token_ids)
 
-    def _held_back(self) -> int:
-        """Length of the longest text suffix that is a proper prefix of some stop string."""
-        held = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self.text)), held, -1):
-                if self.text.endswith(stop[:k]):
-                    held = k
-                    break
-        return held
-
     def take_delta(self, finished: bool) -> str:
         """Text not handed out before; while unfinished, minus a tail that may still become a stop string."""
         if finished:
             self.flush()
-        end = len(self.text) if finished else len(self.text) - self._held_back()
+        end = len(self.text) if finished else len(self.text) - self._matcher.held_back()
         if end <= self._emitted:
             return ""
         delta, self._emitted = self.text[self._emitted : end], end

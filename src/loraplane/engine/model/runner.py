@@ -16,11 +16,12 @@ from types import SimpleNamespace
 import torch
 
 from loraplane.engine.lora.layers import LoRAStepState, build_pools, pool_row_bytes, wrap_model
-from loraplane.engine.lora.manager import AdapterManager
+from loraplane.engine.lora.manager import AdapterTiers
+from loraplane.engine.lora.merge import AdapterMerger, MergePolicy
 from loraplane.engine.lora.residency import NullResidency
 from loraplane.engine.memory.pool import UnifiedGpuTier, build_unified, chunk_blocks_for
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan, paged_decode
-from loraplane.engine.model.cuda_graphs import DecodeGraphs
+from loraplane.engine.model.cuda_graphs import DecodeGraphs, graph_family
 from loraplane.engine.model.model import CausalLM
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.engine.model.sampler import SamplingMetadata, sample
@@ -113,14 +114,18 @@ class ModelRunner:
         self.model.init_rope(self.max_model_len, self.device)
         self.memory = None  # the unified memory when KV and adapters share one arena (memory_mode)
         self._init_lora()  # before KV sizing: the adapter pools come out of the same memory
+        self.merger = self._new_merger()  # before KV sizing too: its merged weights come out of KV's share
         self.num_kv_blocks = self._num_kv_blocks(free_before)
         if tp is not None:  # TP hook: one block table for all ranks, so the same number of blocks
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self._allocate_kv_cache()
+        if self.merger is not None:
+            self.merger.bind(self.lora, self.lora_state)
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.graphs: DecodeGraphs | None = None
         self.base_graphs: DecodeGraphs | None = None
+        self.merged_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda":
             self._compile_step_kernels()
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -131,7 +136,7 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------ adapters
     def _init_lora(self) -> None:
         """Adapter pools (one per PEFT module), the LoRA wrappers and the registry / residency."""
-        self.lora: AdapterManager | None = None
+        self.lora: AdapterTiers | None = None
         self.lora_state: LoRAStepState | None = None
         self.residency = NullResidency()
         cfg = self.config
@@ -139,6 +144,13 @@ class ModelRunner:
             return  # unified: the pools are views over the KV arena, built with it (_allocate_kv_cache)
         rows = self._lora_pool_bytes() // sum(pool_row_bytes(self.model_config, self.dtype).values())
         self._attach_lora(build_pools(self.model_config, rows, cfg.max_lora_rank, self.dtype, self.device))
+
+    def _new_merger(self) -> AdapterMerger | None:
+        """The dominant adapter's merged weights (lora_merge), one copy of every projection weight."""
+        cfg = self.config
+        if not (cfg.lora_merge and cfg.enable_lora) or self.tp is not None:
+            return None
+        return AdapterMerger(self.model, MergePolicy(cfg.lora_merge_after_steps, cfg.lora_merge_stay_share))
 
     def _lora_pool_bytes(self) -> int:
         """What the split adapter pools hold: lora_pool_bytes, else max_loras adapters of max rank everywhere."""
@@ -154,7 +166,7 @@ class ModelRunner:
         graph_bs = 0
         if self.device.type == "cuda" and not cfg.enforce_eager:
             graph_bs = max((s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs), default=0)
-        self.lora = AdapterManager(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
+        self.lora = AdapterTiers(self.full_model_config, pools, max_rank=cfg.max_lora_rank,
                                    host_bytes=cfg.lora_host_bytes, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                    max_num_seqs=cfg.max_num_seqs,
                                    graph_batch_size=graph_bs, gpu_tier=gpu_tier)  # fmt: skip
@@ -170,6 +182,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
             return
         self.base_graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+        if self.merger is not None:  # the base kernels on the merged weights: steps of the merged adapter
+            self.lora_state.merged = True
+            try:
+                self.merged_graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
+            finally:
+                self.lora_state.merged = False
         self.lora_state.metas = self.lora.graph_metas()
         try:
             self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
@@ -392,26 +410,40 @@ class ModelRunner:
         """Run the model on one scheduled step; fp32 logits [S, V] of the chunks that sample."""
         inp = self._prepare(batch)
         meta = inp.meta
+        adapters = [getattr(c.seq, "adapter", None) for c in batch.chunks]
+        merged = self.merger is not None and self.merger.begin_step(
+            [(a, c.num_tokens) for a, c in zip(adapters, batch.chunks, strict=True)]
+        )
         if inp.decode_only and self.graphs is not None and len(batch.chunks) <= self.graphs.max_batch_size:
-            graphs = self.graphs
-            if self.base_graphs is not None and all(
-                getattr(c.seq, "adapter", None) is None for c in batch.chunks
-            ):
-                graphs = self.base_graphs  # no adapter in the step: no LoRA launch at all
-                self.lora.poll()  # loads for waiting requests keep moving
-                self._tp_send(inp, batch, None)
-            else:
+            families = {"base": self.base_graphs, "merged": self.merged_graphs}
+            family = graph_family(adapters, merged, [k for k, g in families.items() if g is not None])
+            if family == "lora":
                 self._set_lora_step(batch, "graph")
                 self._tp_send(inp, batch, "graph")
+                graphs = self.graphs
+            else:  # no LoRA launch in the step
+                self.lora.poll()  # loads for waiting requests keep moving
+                self._tp_send(inp, batch, None)
+                graphs = families[family]
             logits = graphs.run(
                 inp.input_ids, inp.positions, meta.slot_mapping, meta.seq_lens, meta.block_tables
             )
             # a 1-token chunk that does not end its prompt scores nothing
             return logits if inp.logits_indices.numel() == logits.shape[0] else logits[inp.logits_indices]
         kind = "decode" if inp.decode_only else "prefill"
-        self._set_lora_step(batch, kind)
+        if merged:  # the adapter is inside the merged weights: no LoRA metadata, no launch
+            self.lora.poll()
+            self.lora_state.metas = dict.fromkeys(self.lora_state.pools)
+        else:
+            self._set_lora_step(batch, kind)
         self._tp_send(inp, batch, kind)
-        return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)
+        if self.lora_state is None:
+            return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)
+        self.lora_state.merged = merged
+        try:
+            return self.model(inp.input_ids, inp.positions, meta, inp.logits_indices)
+        finally:
+            self.lora_state.merged = False
 
     @torch.inference_mode()
     def execute(self, batch) -> list[SampledToken]:

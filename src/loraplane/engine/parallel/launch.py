@@ -24,7 +24,7 @@ from multiprocessing.connection import wait
 
 import torch
 
-from loraplane.engine.core.llm_engine import EngineFault
+from loraplane.engine.core.errors import EngineFault
 from loraplane.engine.model.runner import ModelRunner, resolve_device
 from loraplane.engine.parallel import lora_sync, step_sync
 from loraplane.engine.parallel.group import (

@@ -96,7 +96,7 @@ def apply_evict(runner, info: list[int]) -> None:
 
 
 def set_step_metas(runner, kind_code: int, table: list[int]) -> None:
-    """Build the batch metadata rank 0's AdapterManager.prepare_step built for this step."""
+    """Build the batch metadata rank 0's AdapterTiers.prepare_step built for this step."""
     if runner.lora is None:
         return
     pools = runner.lora_state.pools

@@ -23,7 +23,7 @@ from loraplane.artifacts.verify import Policy, verify_folder
 from loraplane.engine.api import EngineInfo
 from loraplane.http.adapters import LoadSpec
 
-log = logging.getLogger("loraplane.http.adapters")
+log = logging.getLogger("loraplane.serve.sources")
 DEFAULT_HOST_CACHE_BYTES = 16 << 30
 
 

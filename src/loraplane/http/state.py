@@ -1,0 +1,74 @@
+"""What every route needs: the server's state (one ServerState per process, shared by the public and the
+admin app), and the dependencies that read it (the API key check, the health probes).
+
+The route modules (openai_api.py, admin.py) and the app factory (app.py) all import this module, never each
+other's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from loraplane.engine.api import EngineInfo
+from loraplane.engine.core.async_engine import AsyncEngine
+from loraplane.http.adapters import AdapterRegistry
+from loraplane.http.auth import OPEN, ApiKeys, Principal
+from loraplane.http.errors import AUTHENTICATION, APIError
+from loraplane.http.limits import KeyLimits
+from loraplane.http.metrics import Metrics
+from loraplane.http.models import ServedModels
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: object  # a transformers tokenizer (duck-typed: encode, decode, apply_chat_template)
+    info: EngineInfo
+    models: ServedModels
+    api_keys: ApiKeys | None
+    metrics: Metrics
+    limits: KeyLimits = field(default_factory=KeyLimits)
+    adapters: AdapterRegistry | None = None  # the admin side's, once an admin app exists
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.info.vocab_size
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def health(state: ServerState) -> JSONResponse:
+    """Readiness: the loaded base's hash while the engine runs, 503 once it stopped."""
+    body = {"base_hash": state.info.base_hash, "model": state.models.base_name}
+    if state.engine.is_alive():
+        return JSONResponse({"status": "ready", **body})
+    return JSONResponse({"status": "engine stopped", **body}, status_code=503)
+
+
+def liveness(state: ServerState) -> JSONResponse:
+    """503 once the engine is dead, so the kubelet restarts the pod (nothing else will bring it back)."""
+    if state.engine.is_alive():
+        return JSONResponse({"status": "live"})
+    return JSONResponse({"status": "engine stopped"}, status_code=503)
+
+
+def require_api_key(request: Request) -> Principal:
+    state = server_state(request)
+    if state.api_keys is None:
+        principal = OPEN
+    else:
+        principal = state.api_keys.authenticate(request.headers.get("authorization"))
+        if principal is None:
+            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
+                           type=AUTHENTICATION, code="invalid_api_key")  # fmt: skip
+    request.state.key_name = principal.name
+    return principal
