@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
 
 from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.http.auth import ApiKeys
@@ -18,9 +19,38 @@ from loraplane.http.logs import RequestLog
 from loraplane.http.metrics import Metrics
 from loraplane.http.models import ServedModels
 from loraplane.http.openai_api import router as openai_router
-from loraplane.http.state import ServerState, health, liveness, require_api_key, server_state
+from loraplane.http.state import (
+    ServerState,
+    health,
+    invalid_api_key,
+    liveness,
+    require_api_key,
+    server_state,
+)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits max_model_len; stops memory abuse first
+
+
+class ApiKeyGate:
+    """ASGI middleware: a call to a path that needs a key is refused (401) before its body is read or parsed,
+    so a caller without a key learns nothing of the schema and costs no JSON parsing. The principal it lets
+    in travels in the scope's state to ``require_api_key``."""
+
+    def __init__(self, app, api_keys: ApiKeys | None) -> None:
+        self.app, self.api_keys = app, api_keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.api_keys is None or not _needs_key(scope["path"]):
+            return await self.app(scope, receive, send)
+        principal = self.api_keys.authenticate(Headers(scope=scope).get("authorization"))
+        if principal is None:
+            return await invalid_api_key().response()(scope, receive, send)
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+
+def _needs_key(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/") or path == "/openapi.json"
 
 
 class BodySizeLimit:
@@ -99,6 +129,7 @@ def create_app(
         return JSONResponse(app.openapi())
 
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(ApiKeyGate, api_keys=api_keys)  # outside the body limit: no key, no body read
     app.add_middleware(RequestLog, metrics=metrics)
     return app
 

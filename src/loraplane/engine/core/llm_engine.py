@@ -90,7 +90,7 @@ class LLMEngine:
             self.runner.num_kv_blocks,
             self.runner.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            memory=self.runner.memory,  # unified: KV blocks come from the shared arena
+            memory=self.runner.memory,  # the arbiter KV blocks come from
         )
         self.scheduler = Scheduler(
             block_manager,
@@ -213,7 +213,7 @@ class LLMEngine:
             num_cached_kv_blocks=blocks.num_cached_blocks,
             prefix_cache_queried_tokens=blocks.prefix_queried_tokens,
             prefix_cache_hit_tokens=blocks.prefix_hit_tokens,
-            unified_memory=blocks.memory.stats(blocks.num_used_blocks) if blocks.memory is not None else None,
+            unified_memory=blocks.memory.stats(blocks.num_used_blocks),  # None in the split
         )
 
     # --- the loop -------------------------------------------------------------------------------------------

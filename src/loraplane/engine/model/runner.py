@@ -15,11 +15,11 @@ from types import SimpleNamespace
 
 import torch
 
-from loraplane.engine.lora.layers import LoRAStepState, build_pools, pool_row_bytes, wrap_model
+from loraplane.engine.lora.layers import LoRAStepState, wrap_model
 from loraplane.engine.lora.manager import AdapterTiers
 from loraplane.engine.lora.merge import AdapterMerger, MergePolicy
 from loraplane.engine.lora.residency import NullResidency
-from loraplane.engine.memory.pool import UnifiedGpuTier, build_unified, chunk_blocks_for
+from loraplane.engine.memory.layout import memory_layout
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan, paged_decode
 from loraplane.engine.model.cuda_graphs import DecodeGraphs, graph_family
 from loraplane.engine.model.model import CausalLM
@@ -113,10 +113,10 @@ class ModelRunner:
         else:
             self.model, self.base_hash = model, "in-memory"
         self.model.init_rope(self.max_model_len, self.device)
-        self.memory = None  # the unified memory when KV and adapters share one arena (memory_mode)
-        self._init_lora()  # before KV sizing: the adapter pools come out of the same memory
+        self.layout = memory_layout(config, cfg, self.block_size, self.dtype, self.device)
+        self._init_lora(self.layout.pools_before_kv())  # before KV sizing: the split's pools come first
         self.merger = self._new_merger()  # before KV sizing too: its merged weights come out of KV's share
-        self.num_kv_blocks = self._num_kv_blocks(free_before)
+        self.num_kv_blocks = self.layout.kv_blocks(self._num_split_kv_blocks(free_before))
         if tp is not None:  # TP hook: one block table for all ranks, so the same number of blocks
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self._allocate_kv_cache()
@@ -134,16 +134,14 @@ class ModelRunner:
                 self._capture_graphs(sizes)
 
     # ------------------------------------------------------------------------------------ adapters
-    def _init_lora(self) -> None:
-        """Adapter pools (one per PEFT module), the LoRA wrappers and the registry / residency."""
+    def _init_lora(self, pools) -> None:
+        """The adapter tiers over ``pools`` (one per PEFT module; None: none yet), the LoRA wrappers and the
+        residency."""
         self.lora: AdapterTiers | None = None
         self.lora_state: LoRAStepState | None = None
         self.residency = NullResidency()
-        cfg = self.config
-        if not cfg.enable_lora or cfg.memory_mode == "unified":
-            return  # unified: the pools are views over the KV arena, built with it (_allocate_kv_cache)
-        rows = self._lora_pool_bytes() // sum(pool_row_bytes(self.model_config, self.dtype).values())
-        self._attach_lora(build_pools(self.model_config, rows, cfg.max_lora_rank, self.dtype, self.device))
+        if pools is not None:
+            self._attach_lora(pools)
 
     def _new_merger(self) -> AdapterMerger | None:
         """The dominant adapter's merged weights (lora_merge), one copy of every projection weight."""
@@ -151,15 +149,6 @@ class ModelRunner:
         if not (cfg.lora_merge and cfg.enable_lora) or self.tp is not None:
             return None
         return AdapterMerger(self.model, MergePolicy(cfg.lora_merge_after_steps, cfg.lora_merge_stay_share))
-
-    def _lora_pool_bytes(self) -> int:
-        """What the split adapter pools hold: lora_pool_bytes, else max_loras adapters of max rank everywhere."""
-        cfg = self.config
-        if not cfg.enable_lora:
-            return 0
-        row_bytes = sum(pool_row_bytes(self.model_config, self.dtype).values())
-        rows = cfg.lora_pool_bytes // row_bytes if cfg.lora_pool_bytes else cfg.max_loras * cfg.max_lora_rank
-        return rows * row_bytes
 
     def _attach_lora(self, pools, gpu_tier=None) -> None:
         cfg = self.config
@@ -235,8 +224,7 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        cfg = self.model_config
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return self.layout.kv_block_bytes
 
     def _free_device_memory(self) -> int:
         if self.device.type != "cuda":
@@ -245,17 +233,6 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         self._allocated_before = torch.cuda.memory_allocated()
         return torch.cuda.mem_get_info()[0]
-
-    def _num_kv_blocks(self, free_before: int) -> int:
-        blocks = self._num_split_kv_blocks(free_before)
-        if self.config.memory_mode != "unified":
-            return blocks
-        # One arena for what the split would give KV and the adapter pools (on CUDA the pools were never
-        # allocated, so the profiled budget already holds them), in whole chunks.
-        if self.config.num_kv_blocks is not None or self.device.type != "cuda":
-            blocks += -(-self._lora_pool_bytes() // self.kv_block_bytes)
-        chunk = chunk_blocks_for(self.model_config, self.block_size)
-        return max(chunk, blocks // chunk * chunk)
 
     def _num_split_kv_blocks(self, free_before: int) -> int:
         if self.config.num_kv_blocks is not None:
@@ -289,20 +266,13 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def _allocate_kv_cache(self) -> None:
-        cfg = self.model_config
-        if self.config.memory_mode == "unified":  # k_cache = arena[0], v_cache = arena[1]: contiguous
-            lora = self.config.enable_lora
-            arenas, self.memory, pools = build_unified(cfg, self.num_kv_blocks, self.block_size,
-                                                       self.config.max_lora_rank, self.dtype, self.device, lora)  # fmt: skip
-            for layer, arena in zip(self.model.model.layers, arenas, strict=True):
-                layer.self_attn.k_cache, layer.self_attn.v_cache = arena[0], arena[1]
-            if lora:
-                self._attach_lora(pools, UnifiedGpuTier(pools, self.memory, self.device))
-            return
-        shape = (self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        for layer in self.model.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        """The KV cache, the memory arbiter that hands out its blocks, and the pools built with it."""
+        placed = self.layout.allocate(self.num_kv_blocks)
+        self.memory = placed.memory
+        for layer, (k_cache, v_cache) in zip(self.model.model.layers, placed.kv_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+        if placed.pools is not None:
+            self._attach_lora(placed.pools, placed.gpu_tier)
 
     @torch.inference_mode()
     def _compile_step_kernels(self) -> None:
