@@ -76,7 +76,8 @@ def build_app(options: ServeOptions):
     try:
         _check_base_hash(options, engine.info().base_hash)
         metrics = Metrics(options.metrics_adapter_labels)
-        app = create_app(engine, tokenizer, options.model_name, api_keys, metrics=metrics)
+        app = create_app(engine, tokenizer, options.model_name, api_keys, metrics=metrics,
+                         routing_metrics=options.routing_metrics)  # fmt: skip
         app.state.options = options
         app.state.trusted_keys = trusted_keys(options)
     except BaseException:
