@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # On any CUDA machine (repo root; loraplane need not be installed; torch, triton, safetensors, numpy, pytest):
 # the sampling controls' GPU tests, then the benchmark of the decode step at B=64 with and without them.
-#   OUT=DIR bash bench/sampling/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
+#   OUT=DIR bash bench/sampling/device_run.sh [bench args...]   (results under ${OUT:-bench/sampling/results})
 #   SKIP_TESTS=1 skips the tests.
 set -o pipefail
 source scripts/device_env.sh
-R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"
+R="$PWD"; O="${OUT:-$R/bench/sampling/results}"; LP="${PYTHONPATH%%:*}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader

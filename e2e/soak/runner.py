@@ -43,7 +43,7 @@ def run(plan: Plan, out: Path, workdir: Path, log=print, plane=None, model_dir: 
     out.mkdir(parents=True, exist_ok=True)
     with started_stack(workdir, plane, model_dir) as stack:
         wait_operator_ready(stack)
-        pods = wait_base(stack, plan.replicas)
+        pods = wait_base(stack, plan.replicas, timeout=SETUP_BOUND)
         base_model = base_model_name(pods[0])
         names = adapter_names(plan.adapters)
         log(f"base Pods Ready; publishing {len(names)} adapters and the canary")

@@ -70,6 +70,7 @@ def test_files_that_contradict_the_manifest_are_refused_everywhere(
         cache.pull(uri, trusted_keys=keys.trusted, expected_base_hash=base_hash)
     assert err.value.reason == reason, err.value
     assert list((tmp_path / "cache" / "adapters").iterdir()) == []
+    assert list((tmp_path / "cache" / "blobs").iterdir()) == [], "nothing of a refused adapter stays"
     assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
 
 

@@ -114,7 +114,7 @@ def test_failures_carry_the_contracts_reason_and_leave_nothing(clean, engine, ke
     [("rnull", {"r": None}, "adapter_config.json.r"), ("rtext", {"r": "4"}, "adapter_config.json.r"),
      ("anull", {"lora_alpha": None}, "adapter_config.json.lora_alpha"),
      ("pnull", {"rank_pattern": {"q_proj": None}}, "adapter_config.json.rank_pattern.q_proj"),
-     ("norank", {"r": ...}, "adapter_config.json (r / rank_pattern) says 8"),  # PEFT's default r, not rank 4
+     ("norank", {"r": ...}, "adapter_config.json.r"),  # PEFT's default r (8), not the weights' rank 4
      ("qalora", {"use_qalora": True}, "adapter_config.json.use_qalora"),
      ("future", {"future_option": None}, "adapter_config.json.future_option")],
 )  # fmt: skip

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
-from tests.http.conftest import MODEL_NAME
+from tests.http.conftest import MODEL_NAME, wait_until
 
 USER = [{"role": "user", "content": "hello world"}]
 NO_EOS = {"ignore_eos": True}
@@ -61,3 +64,19 @@ def test_later_choices_reuse_the_first_ones_prompt_blocks(client, engine):
     hits = engine.engine.stats().prefix_cache_hit_tokens - before
     assert len(response.choices) == 4
     assert hits >= 3 * 3 * block  # choices 1..3 each found the 3 full prompt blocks cached
+
+
+def test_a_client_leaving_aborts_every_choice(server, engine):
+    body = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 200, "n": 3, "stream": True, **NO_EOS}
+    seen: set[int] = set()
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line.removeprefix("data: "))
+                request_id = chunk["id"]
+                seen.update(c["index"] for c in chunk["choices"])
+            if seen == {0, 1, 2}:
+                break
+    children = {f"{request_id}-{i}" for i in range(3)}
+    wait_until(lambda: children <= set(engine.aborted), "every choice's abort")
+    wait_until(lambda: not engine.engine.has_unfinished(), "the engine going idle")

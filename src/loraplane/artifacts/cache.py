@@ -199,7 +199,8 @@ class HostCache(BlobStore):
     def _assemble(
         self, hex_: str, verified: VerifiedManifest, bucket: str, prefix: str, policy: Policy
     ) -> None:
-        """Build the adapter folder in tmp/ from verified blobs, compare its files with the manifest, rename it in."""
+        """Build the adapter folder in tmp/ from verified blobs, compare its files with the manifest, rename it in.
+        A refusal removes the blobs it downloaded that no other adapter links."""
         build = self.root / "tmp" / f"adapter-{hex_}.{uuid.uuid4().hex}"
         build.mkdir()
         try:
@@ -224,6 +225,11 @@ class HostCache(BlobStore):
             fsync_dir(build)
             os.rename(build, self._folder(hex_))
             fsync_dir(self._folder(hex_).parent)
+        except E.ArtifactError as exc:
+            shutil.rmtree(build, ignore_errors=True)
+            if not exc.transient:  # refused: nothing of it stays (a transient failure keeps what it fetched)
+                self._drop_unlinked_blobs(verified.manifest)
+            raise
         finally:
             if build.exists():
                 shutil.rmtree(build, ignore_errors=True)

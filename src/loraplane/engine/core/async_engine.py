@@ -194,8 +194,9 @@ class AsyncEngine:
         return None if lora is None else lora.tier_of(adapter_key_)
 
     async def load_adapter(self, name: str, version: str, folder: Path, digest: str, *, pin: bool = False,
-                           expected_base_hash: str | None = None) -> AdapterInfo:  # fmt: skip
+                           expected_base_hash: str | None = None, on_disk: bool = False) -> AdapterInfo:  # fmt: skip
         """Parse and validate a verified PEFT folder into the host tier (AdapterError on refusal).
+        ``on_disk``: register it from its config and header alone; it loads when a request needs it.
         Idempotent per name@version and digest; another digest under the same name@version is a conflict."""
         lora = self._lora("adapter")
         base = self.engine.runner.base_hash
@@ -204,7 +205,12 @@ class AsyncEngine:
                 "BaseMismatch",
                 f"{name}@{version}: built for base {expected_base_hash}, this engine serves {base}",
             )
-        if not lora.is_registered(adapter_key(name, version)):
+        registered = lora.is_registered(adapter_key(name, version))
+        if not registered and on_disk:
+            return await asyncio.to_thread(
+                lora.register_on_disk, name, version, Path(folder), digest, pin=pin
+            )
+        if not registered:
             start = time.perf_counter()
             weights = await asyncio.to_thread(lora.parse, Path(folder))
             return lora.register(name, version, Path(folder), digest, weights, pin=pin,
