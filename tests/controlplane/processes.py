@@ -7,7 +7,8 @@ process is ``loraplane <container args>``. What a kubelet would provide is made 
 - env: plain values and ``secretKeyRef``s; ``KUBECONFIG`` points at a kubeconfig holding a TokenRequest token
   of the Pod's ServiceAccount (what the mounted token gives a pod in a cluster);
 - networking: the Pod's own loopback address replaces 0.0.0.0 in the args, so every Pod can use the same ports;
-- readiness: the container's readinessProbe (an httpGet) against that address.
+- readiness: the container's readinessProbe (an httpGet) against that address, with its period, timeout and
+  failure threshold.
 """
 
 from __future__ import annotations
@@ -15,15 +16,48 @@ from __future__ import annotations
 import base64
 import subprocess
 import sys
+import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 LOCAL = Path(sys.executable).parent  # the test environment's console scripts (`loraplane`)
 
 
+@dataclass
+class Probe:
+    """A container's httpGet readinessProbe, run as a kubelet runs it: every ``period`` seconds with a
+    ``timeout``; Ready after one success, not Ready after ``failures`` failures in a row (so one slow answer
+    from a busy server does not take it out of its Service)."""
+
+    url: str
+    period: float = 10.0
+    timeout: float = 1.0
+    failures: int = 3
+    last_run: float = float("-inf")
+    failed_in_a_row: int = 0
+    ready: bool = False
+
+    def check(self) -> bool:
+        if time.monotonic() - self.last_run < self.period:
+            return self.ready
+        self.last_run = time.monotonic()
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout) as answer:
+                ok = 200 <= answer.status < 400
+        except OSError:
+            ok = False
+        self.failed_in_a_row = 0 if ok else self.failed_in_a_row + 1
+        if ok:
+            self.ready = True
+        elif self.failed_in_a_row >= self.failures:
+            self.ready = False
+        return self.ready
+
+
 class ProcessContainer:
-    def __init__(self, popen: subprocess.Popen, log: Path, probe_url: str | None):
-        self.popen, self.log, self.probe_url = popen, log, probe_url
+    def __init__(self, popen: subprocess.Popen, log: Path, probe: Probe | None):
+        self.popen, self.log, self.probe = popen, log, probe
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -31,13 +65,7 @@ class ProcessContainer:
     def ready(self) -> bool:
         if not self.alive():
             return False
-        if self.probe_url is None:
-            return True
-        try:
-            with urllib.request.urlopen(self.probe_url, timeout=2) as answer:
-                return 200 <= answer.status < 400
-        except OSError:
-            return False
+        return True if self.probe is None else self.probe.check()
 
     def stop(self, timeout: float = 15.0) -> None:
         if self.popen.poll() is None:
@@ -75,7 +103,7 @@ class ProcessRuntime:
         with log.open("ab") as handle:
             popen = subprocess.Popen([str(LOCAL / "loraplane"), *args], stdout=handle, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)  # fmt: skip
-        started = ProcessContainer(popen, log, self._probe_url(container, ip))
+        started = ProcessContainer(popen, log, self._probe(container, ip))
         self.started.append(started)
         return started
 
@@ -117,14 +145,16 @@ class ProcessRuntime:
         return base64.b64decode(secret["data"][ref["key"]]).decode()
 
     @staticmethod
-    def _probe_url(container: dict, ip: str) -> str | None:
-        probe = (container.get("readinessProbe") or {}).get("httpGet")
+    def _probe(container: dict, ip: str) -> Probe | None:
+        spec = container.get("readinessProbe") or {}
+        probe = spec.get("httpGet")
         if probe is None:
             return None
         port = probe["port"]
         if isinstance(port, str):
             port = next(p["containerPort"] for p in container.get("ports") or () if p.get("name") == port)
-        return f"http://{ip}:{port}{probe['path']}"
+        return Probe(f"http://{ip}:{port}{probe['path']}", period=spec.get("periodSeconds", 10),
+                     timeout=spec.get("timeoutSeconds", 1), failures=spec.get("failureThreshold", 3))  # fmt: skip
 
 
 def container_log_tail(container: ProcessContainer, size: int = 3000) -> str:

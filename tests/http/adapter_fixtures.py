@@ -111,12 +111,13 @@ def publish_all(workdir: Path, client, model_dir: Path, keys, other_keys) -> dic
 
 @contextlib.contextmanager
 def adapter_world(workdir: Path, engine, model_dir: Path, *, api_keys=None, wait_s: float = 5.0,
-                  metrics=None) -> Iterator[AdapterWorld]:  # fmt: skip
+                  metrics=None, routing_metrics: bool = False) -> Iterator[AdapterWorld]:  # fmt: skip
     keys, other_keys = make_keys(workdir / "keys"), make_keys(workdir / "other-keys")
     with moto_server() as endpoint, s3_env(endpoint):
         endpoint.create_bucket(BUCKET)
         published = publish_all(workdir / "published", endpoint.client(), model_dir, keys, other_keys)
-        app = create_app(engine, engine.engine.tokenizer, MODEL_NAME, api_keys, metrics=metrics)
+        app = create_app(engine, engine.engine.tokenizer, MODEL_NAME, api_keys, metrics=metrics,
+                         routing_metrics=routing_metrics)  # fmt: skip
         state = app.state.server
         cache_dir = workdir / "cache"
         cache_dir.mkdir()

@@ -9,7 +9,7 @@ public methods and the types of ``engine.api``.
 from __future__ import annotations
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 
 from loraplane.engine.core.async_engine import AsyncEngine
@@ -103,8 +103,10 @@ def create_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: Metrics | None = None,
+    routing_metrics: bool = False,
 ) -> FastAPI:
-    """The public app. Its /openapi.json needs a key whenever keys are configured."""
+    """The public app. Its /openapi.json needs a key whenever keys are configured. ``routing_metrics``: serve
+    the routers' metric families at /metrics without a key (the endpoint picker scrapes the serving port)."""
     if not served_model_name:
         raise ValueError("served_model_name: must be non-empty")
     if isinstance(api_keys, list):
@@ -123,6 +125,13 @@ def create_app(
     install_error_handlers(app)
     app.include_router(openai_router, prefix="/v1", dependencies=[Depends(require_api_key)])
     _add_health_routes(app)
+    if routing_metrics:
+
+        @app.get("/metrics", include_in_schema=False)
+        async def routing() -> Response:
+            return Response(
+                metrics.routing_exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
+            )
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_api_key)])
     async def openapi() -> JSONResponse:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,7 +28,7 @@ import torch
 from loraplane.artifacts.errors import BAD_MANIFEST, ArtifactError
 from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
 from loraplane.engine.api import AdapterError
-from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file
+from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file, read_header
 from loraplane.engine.model.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -130,18 +131,28 @@ def load_adapter_weights(
         raise AdapterError(
             "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
         ) from None
-    digest = "sha256:" + hashlib.sha256(buf).hexdigest()  # releases the GIL over the buffer
-    timings["hash"] = (t2 := time.perf_counter()) - t1
+    hashing = _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
+    try:
+        factors = _factors(tensors, config, cfg, max_rank)
+        out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, pin)
+        _check_finite(out, factors)
+    finally:
+        timings["stack"] = time.perf_counter() - t1
+        digest, timings["hash"] = hashing.result()
     if sha256 is not None and digest != sha256:
         raise AdapterError(
             "ChecksumMismatch", f"{WEIGHTS_FILE}: hashes to {digest}, not the {sha256} it was loaded with"
         )
-    factors = _factors(tensors, config, cfg, max_rank)
-    out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, pin)
-    _check_finite(out, factors)
-    timings["stack"] = time.perf_counter() - t2
     out.sha256, out.timings = digest, timings
     return out
+
+
+_HASHER = ThreadPoolExecutor(4, thread_name_prefix="loraplane-adapter-hash")
+
+
+def _sha256(buf: memoryview) -> tuple[str, float]:
+    start = time.perf_counter()
+    return "sha256:" + hashlib.sha256(buf).hexdigest(), time.perf_counter() - start
 
 
 def _factors(
@@ -222,25 +233,40 @@ def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, pin: bool
 
 def _stack_uniform(a_m: torch.Tensor, b_m: torch.Tensor, layers: list) -> None:
     """Every layer at the module's rank: one stack per factor and one multiply for the scales.
-    The arithmetic is PEFT's: B in fp32 times its scale, then cast (as ``(b.float() * scale).to(dtype)``)."""
+    The arithmetic is PEFT's, B in fp32 times its scale, then rounded once to the serving dtype (as
+    ``(b.float() * scale).to(dtype)``); a 16-bit ``mul_`` computes in fp32 and rounds once, the same."""
     a_src = [a for a, _, _ in layers]
     if a_src[0].dtype == a_m.dtype:
         torch.stack(a_src, out=a_m)
     else:
         a_m.copy_(torch.stack(a_src).float())
     scales = [s for _, _, s in layers]
-    b_src = torch.stack([b for _, b, _ in layers])  # [L, out, r] in the file's dtype
-    if all(s == 1.0 for s in scales):
-        b_m.copy_(b_src.float() if b_src.dtype != b_m.dtype else b_src)
+    b_src = [b for _, b, _ in layers]
+    if b_src[0].dtype == b_m.dtype:
+        torch.stack(b_src, out=b_m)  # [L, out, r]
+        if any(s != 1.0 for s in scales):
+            b_m.mul_(scales[0] if len(set(scales)) == 1 else torch.tensor(scales).view(-1, 1, 1))
         return
-    b32 = b_src.float() if b_src.dtype != torch.float32 else b_src
+    b32 = torch.stack(b_src).float()  # another dtype on file: scale in fp32, round once
     b_m.copy_(b32 * torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1))
+
+
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00)}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf. 16-bit floats are checked on their bits (all exponent bits set), which is several times
+    faster on the CPU than ``isfinite``, which converts every element first."""
+    if t.dtype in _EXPONENT:
+        int_type, mask = _EXPONENT[t.dtype]
+        return not bool(torch.bitwise_and(t.view(int_type), mask).eq(mask).any())
+    return bool(torch.isfinite(t).all())
 
 
 def _check_finite(out: AdapterWeights, factors: dict) -> None:
     """One check per stacked tensor; only on a failure are the file's tensors searched for the name."""
     for module in out.ranks:
-        if bool(torch.isfinite(out.a[module]).all()) and bool(torch.isfinite(out.b[module]).all()):
+        if _all_finite(out.a[module]) and _all_finite(out.b[module]):
             continue
         for layer, (a, b, _) in sorted(factors[module].items()):
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
@@ -253,6 +279,40 @@ def _check_finite(out: AdapterWeights, factors: dict) -> None:
             "NonFiniteWeights",
             f"{WEIGHTS_FILE}: {module}: lora_B times its scale overflows the serving dtype",
         )
+
+
+def header_ranks(folder: Path, cfg: ModelConfig, *, max_rank: int) -> dict[str, int]:
+    """module -> largest rank over layers, from the config and the weights file's header alone (no data
+    read): what registering an adapter on the disk tier needs. The full checks run when it loads."""
+    folder = Path(folder)
+    read_config(folder)
+    path = folder / WEIGHTS_FILE
+    try:
+        header = read_header(path)
+    except FileNotFoundError:
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: missing in {folder}") from None
+    except (OSError, SafetensorsFormatError) as exc:
+        raise AdapterError(
+            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
+        ) from None
+    ranks: dict[str, int] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        m = _KEY.match(key)
+        if not m or _PARENT.get(m[4]) != m[3]:
+            raise _refuse_key(key)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if m[5] == "A" and isinstance(shape, list) and len(shape) == 2 and isinstance(shape[0], int):
+            if shape[0] > max_rank:
+                raise AdapterError(
+                    "RankTooHigh",
+                    f"{WEIGHTS_FILE}: {key}: rank {shape[0]} > the engine's max_lora_rank {max_rank}",
+                )
+            ranks[m[4]] = max(ranks.get(m[4], 0), shape[0])
+    if not ranks:
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: holds no LoRA tensors")
+    return {m: ranks[m] for m in TARGET_MODULES if m in ranks}
 
 
 def safetensors_bytes(folder: Path) -> int:
