@@ -38,7 +38,7 @@ def slow_engine(tiny_chat_model_dir):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory, slow_engine, tiny_chat_model_dir):
     with adapter_world(tmp_path_factory.mktemp("routing"), slow_engine, tiny_chat_model_dir,
-                       routing_metrics=True) as w:  # fmt: skip
+                       routing_metrics=True, wait_s=120) as w:  # fmt: skip
         assert w.put("chat", w.published["chat-v1"]).status_code == 200
         assert w.put("support", w.published["support-v1"]).status_code == 200
         yield w
