@@ -42,6 +42,12 @@ def test_greedy_64_tokens_equal_transformers(arch, make_hf_model):
     assert engine.generate([prompt], GREEDY) == [hf_greedy(model_dir, prompt, 64)]
 
 
+def test_cpu_kv_cache_holds_no_more_than_every_sequence_at_full_length(tiny_llama_dir):
+    """The 1 GiB CPU default would be 262144 blocks of this model; 4 sequences of 512 tokens need 256."""
+    runner = ModelRunner(EngineConfig(model=str(tiny_llama_dir), device="cpu", block_size=8, max_num_seqs=4))
+    assert runner.num_kv_blocks == 4 * 512 // 8
+
+
 def test_runner_facts_and_cpu_kv_sizing(tiny_llama_dir):
     from loraplane.artifacts.base_hash import compute_base_hash
 

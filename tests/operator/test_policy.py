@@ -58,9 +58,15 @@ def test_host_path_rule():
                 "var/cache/loraplane/x", "/var/cache/loraplane/", "/etc/kubernetes"):  # fmt: skip
         err = _violation(policy.check_host_path, "hostPath", bad)
         assert err.reason == P.HOST_PATH_NOT_ALLOWED and err.field == "spec.hostCache.path", bad
-    for bad_prefix in ("/", "relative", "/a/../b", "/a/"):
-        with pytest.raises(ValueError, match="host-path-prefix"):
+    for bad_prefix in ("/", "//", "///", "/./", "/a/..", "//.", " // ", "/var/..//", "relative"):
+        with pytest.raises(ValueError, match="host-path-prefix"):  # the node's root in any spelling
             P.OperatorPolicy(host_path_prefix=bad_prefix)
+    for spelled, normal in (("/a/../b", "/b"), ("/a/", "/a"), ("//var//cache/", "/var/cache")):
+        assert P.OperatorPolicy(host_path_prefix=spelled).host_path_prefix == normal
+    spelled = P.OperatorPolicy(host_path_prefix="//var/cache/loraplane/")
+    spelled.check_host_path("hostPath", "/var/cache/loraplane/pool-a")
+    for bad in ("//", "//var/cache/loraplane/x", "/var/cache/loraplane-evil"):
+        assert _violation(spelled.check_host_path, "hostPath", bad).reason == P.HOST_PATH_NOT_ALLOWED, bad
 
 
 def test_image_rule():

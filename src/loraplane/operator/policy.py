@@ -9,7 +9,8 @@ the Helm chart exposes (``operator.policy``):
   AWS's own endpoints (``https://s3[.<region>].amazonaws.com``) or no endpoint at all;
 - Secrets: every Secret a LoRABase names must carry the label ``loraplane.dev/use: "true"``, so a
   Secret meant for something else is never sent anywhere;
-- hostPath caches: only at or under ``--host-path-prefix`` (never ``/``); without it, none;
+- hostPath caches: only at or under ``--host-path-prefix`` (normalized; never ``/`` in any spelling); without
+  it, none;
 - images: only from ``--allowed-registry`` prefixes, or exactly ``--server-image`` when the operator
   pins one (then a LoRABase may leave ``spec.image`` empty, at the CRD default, or name that image).
 
@@ -58,6 +59,12 @@ def normalize_endpoint(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}" + (f":{port}" if port and port != default else "")
 
 
+def normalize_path(path: str) -> str:
+    """One spelling per absolute path: ``//``, ``/./`` and ``/a/..`` are all ``/`` (POSIX's normpath keeps a
+    leading ``//``, which names the root on Linux too)."""
+    return "/" + posixpath.normpath(path).lstrip("/")
+
+
 def normalize_image(image: str) -> str:
     """A full reference: ``nginx`` -> ``docker.io/library/nginx``, registry host in lower case."""
     first, _, rest = image.partition("/")
@@ -87,11 +94,12 @@ class OperatorPolicy:
         except ValueError as exc:
             raise ValueError(f"--allowed-s3-endpoint: {exc}") from None
         object.__setattr__(self, "allowed_s3_endpoints", endpoints)
-        prefix = self.host_path_prefix or None
-        if prefix is not None and (
-            not prefix.startswith("/") or posixpath.normpath(prefix) != prefix or prefix == "/"
-        ):
-            raise ValueError(f"--host-path-prefix {prefix!r} must be a normalized absolute path other than /")
+        prefix = (self.host_path_prefix or "").strip() or None
+        if prefix is not None:
+            if not prefix.startswith("/") or normalize_path(prefix) == "/":
+                raise ValueError(f"--host-path-prefix {prefix!r} must be an absolute path other than / "
+                                 "(in any spelling: //, /./, /a/..)")  # fmt: skip
+            prefix = normalize_path(prefix)
         object.__setattr__(self, "host_path_prefix", prefix)
         registries = tuple(_registry_prefix(r) for r in self.allowed_registries if r.strip())
         if any(not _IMAGE.match(r) for r in registries):
@@ -135,7 +143,7 @@ class OperatorPolicy:
                 field_,
                 "hostPath caches are off (operator.policy.hostPathPrefix is empty)",
             )
-        if not path or not path.startswith("/") or posixpath.normpath(path) != path or path == "/":
+        if not path or not path.startswith("/") or normalize_path(path) != path or path == "/":
             raise PolicyViolation(
                 HOST_PATH_NOT_ALLOWED, field_, f"{path!r} is not a normalized absolute path"
             )

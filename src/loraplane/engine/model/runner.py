@@ -237,8 +237,10 @@ class ModelRunner:
     def _num_split_kv_blocks(self, free_before: int) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        if self.device.type != "cuda":
-            return max(1, self.config.cpu_kv_cache_bytes // self.kv_block_bytes)
+        if self.device.type != "cuda":  # no more than every sequence at full length can hold: a tiny model's
+            # 1 GiB default would be mostly never-touched blocks (about 1 GB of a test server's RSS)
+            enough = self.config.max_num_seqs * self.max_blocks_per_seq
+            return max(1, min(self.config.cpu_kv_cache_bytes // self.kv_block_bytes, enough))
         self._profile_forward()
         used = torch.cuda.max_memory_allocated() - self._allocated_before  # weights + peak activations
         budget = int(free_before * self.config.gpu_memory_utilization) - used - _GRAPH_RESERVE_BYTES
