@@ -131,7 +131,7 @@ def _rope_and_store_before(qkv, num_q, num_kv, positions, cos, sin, k_cache, v_c
 
 
 def run_engine_before(engine, prompt_ids: list[int], new_tokens: int) -> tuple[dict, list[int]]:
-    from loraplane.engine import attention, model
+    from loraplane.engine.model import attention, model
 
     current = attention._prefill, model.rope_and_store_kv
     attention._prefill, model.rope_and_store_kv = _prefill_before, _rope_and_store_before

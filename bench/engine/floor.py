@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from loraplane.engine import attention
 from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk
 from loraplane.engine.core.sequence import SamplingParams, Sequence
+from loraplane.engine.model import attention
 
 # (batch, context) points of the decode kernel; batch x context stays under one layer's cache (~850k tokens)
 ATTN_POINTS = [(1, 512), (1, 8192), (4, 2048), (16, 512), (16, 2048), (16, 8192), (64, 512), (64, 2048),

@@ -262,7 +262,7 @@ def test_varlen_inputs_cover_contiguous_spans_only():
 
 
 def test_decode_split_policy_follows_the_table_and_rejects_bad_entries():
-    from loraplane.engine import attention
+    from loraplane.engine.model import attention
 
     saved, launch = attention.DECODE_SPLITS, dict(attention.DECODE_LAUNCH)
     try:
