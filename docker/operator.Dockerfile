@@ -7,11 +7,13 @@ FROM ${PYTHON_IMAGE} AS build
 ENV PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1
 RUN python -m venv /opt/loraplane
 WORKDIR /src
-# Metadata first, so the dependency layer is reused while only the sources change.
 COPY pyproject.toml README.md ./
 COPY src/ src/
+# The wheel, then exactly that file with its extra: the image runs what tests/test_wheel.py installs and
+# imports, never the source tree.
 RUN /opt/loraplane/bin/pip install --upgrade pip \
- && /opt/loraplane/bin/pip install '.[operator]'
+ && /opt/loraplane/bin/pip wheel --no-deps --wheel-dir /wheels . \
+ && /opt/loraplane/bin/pip install "$(ls /wheels/loraplane-*.whl)[operator]"
 
 FROM ${PYTHON_IMAGE}
 LABEL org.opencontainers.image.title="loraplane-operator" \

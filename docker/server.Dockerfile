@@ -14,8 +14,11 @@ RUN python3 -m venv /opt/loraplane
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY src/ src/
+# The wheel, then exactly that file with its extra: the image runs what tests/test_wheel.py installs and
+# imports, never the source tree.
 RUN /opt/loraplane/bin/pip install --upgrade pip \
- && /opt/loraplane/bin/pip install '.[server]'
+ && /opt/loraplane/bin/pip wheel --no-deps --wheel-dir /wheels . \
+ && /opt/loraplane/bin/pip install "$(ls /wheels/loraplane-*.whl)[server]"
 
 FROM ${CUDA_IMAGE}
 LABEL org.opencontainers.image.title="loraplane-server" \

@@ -14,16 +14,19 @@ safetensors weights, and signed, pushed adapter versions.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
+import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplane.artifacts.manifest import Manifest
+from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, Manifest
 from loraplane.artifacts.pack import pack_folder, push_folder, sign_folder
 from loraplane.artifacts.peft import expected_shapes
-from loraplane.artifacts.signing import generate_keypair, key_id
+from loraplane.artifacts.signing import generate_keypair, key_id, sign_bytes
 
 # A llama-shaped base small enough for CPU tests (the engine's tiny test model uses the same fields).
 TINY_BASE_CONFIG = {
@@ -264,3 +267,35 @@ def publish_adapter(
     )
     uri = push_adapter(adapter.folder, s3_client, bucket)
     return PublishedAdapter(uri, adapter.digest, adapter.folder, adapter.manifest, adapter.key_id)
+
+
+def resign_edited(source: Path, folder: Path, keys: Keys, edit: Callable[[Path], None], **manifest) -> str:
+    """A copy of a signed folder, edited by ``edit(folder)`` past pack's checks, whose manifest lists the
+    edited files (plus ``manifest`` field overrides) and is validly signed again: what a producer holding the
+    signing key could publish. Returns the new manifest digest."""
+    shutil.copytree(source, folder)
+    edit(folder)
+    data = {**json.loads((folder / MANIFEST_FILE).read_bytes()), **manifest}
+    for name in data["files"]:
+        blob = (folder / name).read_bytes()
+        data["files"][name] = {"sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}
+    raw = Manifest.from_dict(data).canonical_bytes()  # the canonical spelling of the edited fields
+    (folder / MANIFEST_FILE).write_bytes(raw)
+    (folder / SIGNATURE_FILE).write_bytes(sign_bytes(raw, keys.private_pem))
+    return "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
+def edit_config(**changes) -> Callable[[Path], None]:
+    """An ``edit`` for resign_edited: set adapter_config.json keys (a value of ``...`` drops the key)."""
+
+    def edit(folder: Path) -> None:
+        path = folder / "adapter_config.json"
+        config = json.loads(path.read_text())
+        for key, value in changes.items():
+            if value is ...:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        path.write_text(json.dumps(config))
+
+    return edit

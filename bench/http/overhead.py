@@ -5,7 +5,7 @@ Sequential requests of one output token (prompt "hello world"), keep-alive conne
 The server is a real ``loraplane serve`` process (a server thread inside the client's process measures the
 two sharing one interpreter, about 45 ms per request here, not the server).
 
-    nice -n 10 .venv/bin/python bench/http/overhead.py [--n 200] [--out bench/results/http-overhead]
+    nice -n 10 .venv/bin/python bench/http/overhead.py [--n 200] [--out bench/http/results/http-overhead]
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def serve_process(model_dir: Path, adapter_dir: Path):
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--n", type=int, default=200)
-    parser.add_argument("--out", default="bench/results/http-overhead")
+    parser.add_argument("--out", default="bench/http/results/http-overhead")
     args = parser.parse_args()
     torch.set_num_threads(1)
 

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # On any CUDA machine (repo root; loraplane need not be installed): every GPU test of src/loraplane/kernels/, then the before/after
 # benchmark of this tree's kernels against a baseline src/loraplane/kernels/ folder (ab.py), in one run.
-#   BASELINE=path/to/baseline/kernels bash bench/kernels/device_ab.sh   (results under ${OUT:-bench/results})
+#   BASELINE=path/to/baseline/kernels bash bench/kernels/device_ab.sh   (results under ${OUT:-bench/kernels/results})
 # While the tests run, one process per shape compiles the benchmark's kernels (Triton's disk cache), so
 # the timed pass compiles nothing.
 set -o pipefail
 source scripts/device_env.sh
-R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"; B="${BASELINE:?BASELINE=baseline src/loraplane/kernels/ folder}"
+R="$PWD"; O="${OUT:-$R/bench/kernels/results}"; LP="${PYTHONPATH%%:*}"; B="${BASELINE:?BASELINE=baseline src/loraplane/kernels/ folder}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader

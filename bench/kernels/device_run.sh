@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On any CUDA machine (repo root; loraplane need not be installed): GPU tests of src/loraplane/kernels/, then the benchmark.
-#   bash bench/kernels/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
+#   bash bench/kernels/device_run.sh [bench args...]   (results under ${OUT:-bench/kernels/results})
 set -o pipefail
 source scripts/device_env.sh
-R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"
+R="$PWD"; O="${OUT:-$R/bench/kernels/results}"; LP="${PYTHONPATH%%:*}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader

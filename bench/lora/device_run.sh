@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # On any CUDA machine (repo root; loraplane need not be installed): the multi-LoRA GPU tests, then the multi-LoRA benchmark.
-#   OUT=DIR bash bench/lora/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
+#   OUT=DIR bash bench/lora/device_run.sh [bench args...]   (results under ${OUT:-bench/lora/results})
 #   SKIP_TESTS=1 skips the tests; SKIP_BENCH=1 skips the benchmark.
 set -o pipefail
 source scripts/device_env.sh
-R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"
+R="$PWD"; O="${OUT:-$R/bench/lora/results}"; LP="${PYTHONPATH%%:*}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader

@@ -1,6 +1,6 @@
 """Plot decode tokens/s against distinct adapters per batch from a ``bench/run.py lora`` result.
 
-python bench/lora/plot.py bench/results/lora.json bench/results/lora-flat.png
+python bench/lora/plot.py bench/lora/results/lora.json bench/lora/results/lora-flat.png
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Plot the decode step against distinct adapters beside the byte floor, from a ``bench/run.py lora_decode`` result.
 
-python bench/lora_decode/plot.py bench/results/lora-decode.json bench/results/lora-decode.png
+python bench/lora_decode/plot.py bench/lora_decode/results/lora-decode.json bench/lora_decode/results/lora-decode.png
 """
 
 from __future__ import annotations

@@ -4,10 +4,10 @@
 # the tensor-parallel GPU tests. Every phase runs under its own time limit and every process prints its
 # progress unbuffered, so a phase that hangs shows where and the next ones still run: at its limit a phase
 # gets SIGABRT, on which every Python process of it prints its stacks (PYTHONFAULTHANDLER).
-#   OUT=DIR bash bench/tp/device_run.sh     (results under ${OUT:-bench/results}; the log: tp-device.log)
+#   OUT=DIR bash bench/tp/device_run.sh     (results under ${OUT:-bench/tp/results}; the log: tp-device.log)
 #   PHASES="8b 70b tests" picks phases; LIMIT_8B, LIMIT_70B, LIMIT_TESTS set their limits in seconds.
 source scripts/device_env.sh
-R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"
+R="$PWD"; O="${OUT:-$R/bench/tp/results}"; LP="${PYTHONPATH%%:*}"
 mkdir -p "$O"
 exec > >(tee -a "$O/tp-device.log") 2>&1
 # NVLink multicast stays off (shared host); every process started below inherits these.

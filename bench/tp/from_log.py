@@ -5,7 +5,7 @@ The progress lines carry each row's step and comm times and the copy bandwidth; 
 are counted again here from the shape (the sharded model built on the meta device, nothing allocated).
 
     python bench/tp/from_log.py LOG --section "70b bench" --shape llama3-70b --tp 2 --adapters 32 \\
-        --out bench/results --name tp-70b
+        --out bench/tp/results --name tp-70b
 """
 
 from __future__ import annotations

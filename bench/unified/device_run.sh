@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# On the H200 (repo root, loraplane not installed): the unified-memory GPU test, then unified against split.
-#   OUT=DIR bash bench/unified/device_run.sh [bench args...]   (results under ${OUT:-bench/results})
+# On any CUDA machine (repo root; loraplane need not be installed): the unified-memory GPU test, then unified
+# against split.
+#   OUT=DIR bash bench/unified/device_run.sh [bench args...]   (results under ${OUT:-bench/unified/results})
 #   SKIP_TESTS=1 skips the test; SKIP_BENCH=1 skips the benchmark.
 set -o pipefail
 source scripts/device_env.sh
-R="$PWD"; O="${OUT:-$R/bench/results}"; LP="${PYTHONPATH%%:*}"
+R="$PWD"; O="${OUT:-$R/bench/unified/results}"; LP="${PYTHONPATH%%:*}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$O"
 if [ -z "$SKIP_TESTS" ]; then

@@ -75,7 +75,36 @@ def test_pack_refuses_unknown_modules_and_unserved_options(tmp_path):
     folder = make_peft_folder(tmp_path / "b")
     cfg = json.loads((folder / "adapter_config.json").read_text())
     (folder / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))
-    assert _refused(folder, E.BAD_MANIFEST).field == "adapter_config.json.use_dora"
+    assert _refused(folder, E.UNSUPPORTED_ADAPTER).field == "adapter_config.json.use_dora"
+
+
+def _with_config(folder, **changes):
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config = {k: v for k, v in {**config, **changes}.items() if v is not ...}  # ...: drop the key
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [({"r": None}, "r"), ({"r": "4"}, "r"), ({"r": 4.0}, "r"), ({"r": True}, "r"), ({"r": 0}, "r"),
+     ({"lora_alpha": None}, "lora_alpha"), ({"lora_alpha": float("nan")}, "lora_alpha"),
+     ({"rank_pattern": {"q_proj": None}}, "rank_pattern.q_proj"),
+     ({"alpha_pattern": {"q_proj": [1]}}, "alpha_pattern.q_proj"), ({"alpha_pattern": {"[": 1}}, "alpha_pattern.["),
+     ({"rank_pattern": []}, "rank_pattern"), ({"use_rslora": "yes"}, "use_rslora"),
+     ({"target_modules": {"q_proj": 1}}, "target_modules")],
+)  # fmt: skip
+def test_pack_refuses_config_values_that_are_not_numbers_naming_them(tmp_path, changes, field):
+    folder = _with_config(make_peft_folder(tmp_path / "a"), **changes)
+    assert _refused(folder, E.BAD_MANIFEST).field == f"adapter_config.json.{field}"
+
+
+def test_a_config_without_r_means_peft_default_8_checked_against_the_weights(tmp_path):
+    eight = _with_config(make_peft_folder(tmp_path / "a", rank=8), r=..., lora_alpha=...)
+    manifest = pack_folder(eight, name="demo", version="v1", base_hash=HASH)
+    assert dict(manifest.ranks) == {"q_proj": 8, "v_proj": 8} and manifest.alpha == 8  # PEFT's defaults
+    four = _with_config(make_peft_folder(tmp_path / "b", rank=4), r=...)
+    assert _refused(four, E.RANK_MISMATCH).field == "adapter_config.json.r"
 
 
 def test_pack_reads_half_precision_and_rslora(tmp_path):

@@ -172,6 +172,7 @@ def test_tamper_matrix(case, tmp_path, s3, bucket, keys, stranger, signed, base_
     assert err.value.reason == reason, err.value
     assert err.value.field, "every refusal names the field or file it concerns"
     assert list((tmp_path / "cache" / "adapters").iterdir()) == []
+    assert list((tmp_path / "cache" / "blobs").iterdir()) == [], "nothing of a refused adapter stays"
     assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
 
 

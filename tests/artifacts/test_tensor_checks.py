@@ -191,6 +191,7 @@ def test_signed_bad_weights_are_refused_by_verify_and_by_the_host_cache(tmp_path
     assert not list((tmp_path / "cache" / "adapters").iterdir()), "nothing unverified is cached"
     weights_sha = hashlib.sha256((folder / W).read_bytes()).hexdigest()
     assert not (tmp_path / "cache" / "blobs" / weights_sha).exists(), "refused weights never become a blob"
+    assert not list((tmp_path / "cache" / "blobs").iterdir()), "nor does the config fetched before them"
 
 
 def test_nested_json_signature_and_manifest_are_reasons_not_tracebacks(tmp_path, keys, capsys):

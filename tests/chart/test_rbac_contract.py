@@ -25,8 +25,20 @@ Grant = tuple[str, str, frozenset[str]]  # (apiGroup, resource, verbs)
 EXTRA_GRANTED: dict[Grant, str] = {}
 
 
+ROUTING_ONLY = "only with `routing.gatewayInferenceExtension.enabled`"
+
+
 def doc_rows() -> list[tuple[Grant, bool]]:
-    """(grant, cluster-wide only) for each row of the operator doc's RBAC table that grants verbs."""
+    """(grant, cluster-wide only) for each row of the operator doc's RBAC table that grants verbs (the rows
+    marked ROUTING_ONLY are routing_rows')."""
+    return [(grant, cluster) for grant, cluster, routing in _rows() if not routing]
+
+
+def routing_rows() -> list[Grant]:
+    return [grant for grant, _, routing in _rows() if routing]
+
+
+def _rows() -> list[tuple[Grant, bool, bool]]:
     text = OPERATOR_DOC.read_text()
     section = text.split("## RBAC (for the chart)", 1)[1].split("\n## ", 1)[0]
     rows = []
@@ -38,7 +50,9 @@ def doc_rows() -> list[tuple[Grant, bool]]:
         verbs = frozenset(v.strip() for v in cells[2].split(",") if v.strip() not in {"", "—", "-"})
         for resource in re.findall(r"`([^`]+)`", cells[1]):
             if verbs:
-                rows.append(((group, resource, verbs), "cluster-wide only" in cells[3]))
+                rows.append(
+                    ((group, resource, verbs), "cluster-wide only" in cells[3], ROUTING_ONLY in cells[3])
+                )
     return rows
 
 
@@ -55,14 +69,19 @@ def chart_grants(rendered, kind: str) -> set[Grant]:
 @pytest.mark.skipif(
     not OPERATOR_DOC.exists(), reason="docs/operator.md (the operator's RBAC needs) is missing"
 )
+@pytest.mark.parametrize("routing", [False, True], ids=["no-routing", "routing"])
 @pytest.mark.parametrize("cluster_wide", [False, True], ids=["Role", "ClusterRole"])
-def test_chart_rbac_matches_the_operator_doc(helm_bins, cluster_wide):
-    rows = doc_rows()
+def test_chart_rbac_matches_the_operator_doc(helm_bins, cluster_wide, routing):
+    rows = doc_rows() + [(grant, False) for grant in (routing_rows() if routing else [])]
     assert rows, "docs/operator.md has no RBAC table"
-    overrides = {"watchAllNamespaces": cluster_wide}
+    overrides = {
+        "watchAllNamespaces": cluster_wide,
+        "routing": {"gatewayInferenceExtension": {"enabled": routing}},
+    }
     rendered = template(helm_bins["helm4"], overrides=overrides)
     args = rendered.one("Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--standalone" in args  # what NOT_GRANTED relies on
+    assert ("--gateway-inference-extension" in args) == routing
     want = {
         grant
         for grant, cluster_only in rows
@@ -76,7 +95,7 @@ def test_chart_rbac_matches_the_operator_doc(helm_bins, cluster_wide):
 
 def test_chart_readme_lists_the_same_rules():
     readme = (CHART / "README.md").read_text()
-    for (group, resource, verbs), _ in doc_rows():
+    for (group, resource, verbs), _ in doc_rows() + [(grant, False) for grant in routing_rows()]:
         if (group, resource) in NOT_GRANTED:
             continue
         row = next((line for line in readme.splitlines() if f"`{resource}`" in line and "|" in line), None)

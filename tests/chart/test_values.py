@@ -38,6 +38,7 @@ CHANGES: dict[str, tuple[object, dict]] = {
     "operator.driftCheckIntervalSeconds": (120, {}),
     "operator.healthPort": (8081, {}),
     "metrics.port": (9191, {}),
+    "routing.gatewayInferenceExtension.enabled": (True, {}),
     "resources.requests.cpu": ("250m", {}),
     "resources.requests.memory": ("192Mi", {}),
     "resources.limits.cpu": ("1", {}),

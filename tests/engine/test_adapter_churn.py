@@ -221,3 +221,25 @@ def test_unknown_reader_failure_is_named(adapters):
             await engine.aclose()
 
     asyncio.run(main())
+
+
+def test_direct_read_equals_the_cached_read_and_bf16_nans_are_found(adapters, tmp_path):
+    import torch
+
+    from loraplane.engine.lora.safetensors_io import read_file_direct
+    from loraplane.engine.lora.weights import _all_finite
+
+    _, folders = adapters
+    path = folders["hot"] / "adapter_model.safetensors"
+    try:
+        direct = read_file_direct(path)
+    except OSError as exc:  # a file system without O_DIRECT (tmpfs)
+        pytest.skip(f"no O_DIRECT here: {exc}")
+    assert bytes(direct) == bytes(read_file(path)) == path.read_bytes()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        t = torch.randn(4, 8).to(dtype)
+        assert _all_finite(t)
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            u = t.clone()
+            u[2, 3] = bad
+            assert not _all_finite(u), (dtype, bad)

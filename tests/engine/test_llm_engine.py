@@ -148,6 +148,29 @@ def test_text_stop_strings_and_deltas(fake_runner_cls, byte_bpe_tokenizer):
     assert "".join(o.text for o in outs) == full_text[: full_text.find(stop)]
 
 
+def test_min_tokens_holds_stop_strings_and_stop_tokens_back(fake_runner_cls, byte_bpe_tokenizer):
+    """As vLLM: before min_tokens nothing but the length ends an answer; after, stop strings and tokens do."""
+    tok = byte_bpe_tokenizer
+    engine, runner = make_engine(fake_runner_cls, tokenizer=tok, vocab_size=len(tok))
+    [prompt] = prompts(1, seed=7)
+    ref = runner.reference(prompt, 40)
+    early = tok.decode(ref[:3], skip_special_tokens=True)[-1]  # shown within the first 3 tokens
+    params = SamplingParams(
+        max_tokens=40, min_tokens=12, stop=(early,), stop_token_ids=(ref[0],), ignore_eos=True
+    )
+    seq = engine.add_request(prompt, params)
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    assert seq.output_token_ids == ref[: seq.num_output_tokens] and seq.num_output_tokens > 12
+    text = "".join(o.text for o in outs)
+    assert text.startswith(tok.decode(ref[:12], skip_special_tokens=True).split(early)[0])
+    without = engine.add_request(prompt, SamplingParams(max_tokens=40, stop_token_ids=(ref[0],)))
+    while engine.has_unfinished():
+        engine.step()
+    assert without.num_output_tokens == 1 and without.stop_reason == ref[0]
+
+
 def test_bad_requests_are_refused(fake_runner_cls):
     engine, _ = make_engine(fake_runner_cls, max_model_len=16)
     with pytest.raises(ValueError, match="max_model_len=16"):

@@ -12,8 +12,9 @@ torch = pytest.importorskip("torch")
 
 from safetensors.torch import save_file  # noqa: E402
 
+from loraplane.artifacts.peft_config import parse_adapter_config  # noqa: E402
 from loraplane.engine.api import AdapterError  # noqa: E402
-from loraplane.engine.lora.weights import load_adapter_weights, module_scale  # noqa: E402
+from loraplane.engine.lora.weights import load_adapter_weights  # noqa: E402
 from loraplane.engine.model.model_config import ModelConfig  # noqa: E402
 
 H, F, Q, KV, L = 64, 128, 64, 32, 2
@@ -34,7 +35,7 @@ def key(layer: int, module: str, ab: str) -> str:
 def write(folder: Path, config: dict | None = None, tensors: dict | None = None, r: int = 4) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = {"peft_type": "LORA", "r": r, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"],
-              "bias": "none", "some_future_key": 1, **(config or {})}  # fmt: skip
+              "bias": "none", **(config or {})}  # fmt: skip
     (folder / "adapter_config.json").write_text(json.dumps(config))
     if tensors is None:
         tensors = {}
@@ -56,6 +57,10 @@ def test_scale_folded_into_b_and_pattern_keys_match_like_peft(tmp_path, cfg):
     ) as err:  # the file's rank disagrees with the config
         load_adapter_weights(folder, cfg, max_rank=64)
     assert err.value.reason == "ShapeMismatch"
+
+    def module_scale(config: dict, module_key: str) -> tuple[int, float]:
+        return parse_adapter_config(config).scale_of(module_key)
+
     assert module_scale(
         {"r": 4, "lora_alpha": 8, "rank_pattern": {"v_proj": 2}}, "model.layers.1.self_attn.v_proj"
     ) == (2, 4.0)
@@ -96,6 +101,19 @@ REFUSALS = [
                                                  key(0, "q_proj", "B"): torch.full((Q, 4), float("nan"))})),
     ("BadAdapterFile", "lora_B", dict(tensors={key(0, "q_proj", "A"): torch.ones(4, H)})),
     ("UnsupportedAdapter", "peft_type", dict(config={"peft_type": "IA3"})),
+    ("UnsupportedAdapter", "adapter_config.json.some_future_key", dict(config={"some_future_key": 1})),
+    ("UnsupportedAdapter", "adapter_config.json.use_qalora", dict(config={"use_qalora": True})),
+    ("UnsupportedAdapter", "adapter_config.json.alora_invocation_tokens", dict(config={"alora_invocation_tokens": [5]})),
+    ("BadAdapterFile", "adapter_config.json.r", dict(config={"r": None})),
+    ("BadAdapterFile", "adapter_config.json.r", dict(config={"r": "4"})),
+    ("BadAdapterFile", "adapter_config.json.r", dict(config={"r": 4.0})),
+    ("BadAdapterFile", "adapter_config.json.lora_alpha", dict(config={"lora_alpha": None})),
+    ("BadAdapterFile", "adapter_config.json.lora_alpha", dict(config={"lora_alpha": [8]})),
+    ("BadAdapterFile", "adapter_config.json.rank_pattern.v_proj", dict(config={"rank_pattern": {"v_proj": None}})),
+    ("BadAdapterFile", "adapter_config.json.alpha_pattern.v_proj", dict(config={"alpha_pattern": {"v_proj": "2"}})),
+    ("BadAdapterFile", "adapter_config.json.alpha_pattern.(", dict(config={"alpha_pattern": {"(": 2}})),
+    ("BadAdapterFile", "adapter_config.json.use_rslora", dict(config={"use_rslora": "false"})),
+    ("ShapeMismatch", "r / rank_pattern", dict(config={"r": 8})),
 ]  # fmt: skip
 
 
@@ -105,6 +123,18 @@ def test_refusals_name_the_field(tmp_path, cfg, reason, named, kw):
     with pytest.raises(AdapterError) as err:
         load_adapter_weights(folder, cfg, max_rank=64)
     assert err.value.reason == reason and named in str(err.value), str(err.value)
+
+
+def test_a_config_without_r_has_peft_default_rank_8(tmp_path, cfg):
+    config = {"peft_type": "LORA", "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    folder = write(tmp_path / "eight", r=8)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    assert load_adapter_weights(folder, cfg, max_rank=64).ranks == {"q_proj": 8, "v_proj": 8}
+    folder = write(tmp_path / "four", r=4)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(AdapterError, match="says 8") as err:  # the weights hold rank 4: checked, not assumed
+        load_adapter_weights(folder, cfg, max_rank=64)
+    assert err.value.reason == "ShapeMismatch"
 
 
 def test_pickle_and_corrupt_files_are_refused(tmp_path, cfg):

@@ -175,7 +175,7 @@ def test_gpu_bf16_as_close_to_fp32_as_transformers_bf16(make_hf_model):
 @pytest.mark.xfail(
     strict=False,
     reason="H200 2026-11-30: 758/776 = 97.7% (bar 99%). On CPU in bf16 the same check gives 100%; transformers' own "
-    "bf16 prefill vs its bf16 decode agree 98.96% (CPU): GPU kernel rounding flips near-ties. Open, see NOTES-engine.md",
+    "bf16 prefill vs its bf16 decode agree 98.96% (CPU): GPU kernel rounding flips near-ties. Open, see docs/performance.md",
 )
 def test_gpu_bf16_demo_model_top1_agreement_over_256_greedy_tokens():
     """SmolLM2 demo, bf16 on the GPU: transformers answers chat prompts greedily (to <|im_end|>, at most 256 tokens

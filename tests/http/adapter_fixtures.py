@@ -14,11 +14,19 @@ from pathlib import Path
 
 import httpx
 
+from loraplane.artifacts.manifest import MANIFEST_FILE, Manifest
 from loraplane.http.adapters import AdapterRegistry
 from loraplane.http.admin import create_admin_app
 from loraplane.http.app import create_app
 from loraplane.serve.sources import S3Source
-from tests.adapter_factory import PublishedAdapter, make_keys, publish_adapter
+from tests.adapter_factory import (
+    Keys,
+    PublishedAdapter,
+    make_keys,
+    publish_adapter,
+    push_adapter,
+    resign_edited,
+)
 from tests.http.conftest import MODEL_NAME, ServerThread
 from tests.s3_servers import moto_server
 
@@ -34,6 +42,20 @@ class AdapterWorld:
     source: S3Source
     registry: AdapterRegistry
     published: dict[str, PublishedAdapter] = field(default_factory=dict)
+    keys: Keys | None = None  # the trusted signing key
+    s3: object = None  # a boto3 client of the bucket's server
+
+    def publish_edited(self, adapter: PublishedAdapter, version: str, edit, **manifest) -> PublishedAdapter:
+        """A signed copy of ``adapter`` as ``version``, its files edited past pack's checks, in S3."""
+        folder = self.published_dir / f"{adapter.manifest.name}-{version}"
+        digest = resign_edited(adapter.folder, folder, self.keys, edit, version=version, **manifest)
+        uri = push_adapter(folder, self.s3, BUCKET)
+        return PublishedAdapter(uri, digest, folder, Manifest.from_json((folder / MANIFEST_FILE).read_bytes()),
+                                adapter.key_id)  # fmt: skip
+
+    @property
+    def published_dir(self) -> Path:
+        return next(iter(self.published.values())).folder.parent
 
     def put(self, name: str, adapter: PublishedAdapter, **extra) -> httpx.Response:
         body = {"uri": adapter.uri, "version": adapter.manifest.version, "manifest_digest": adapter.digest,
@@ -89,12 +111,13 @@ def publish_all(workdir: Path, client, model_dir: Path, keys, other_keys) -> dic
 
 @contextlib.contextmanager
 def adapter_world(workdir: Path, engine, model_dir: Path, *, api_keys=None, wait_s: float = 5.0,
-                  metrics=None) -> Iterator[AdapterWorld]:  # fmt: skip
+                  metrics=None, routing_metrics: bool = False) -> Iterator[AdapterWorld]:  # fmt: skip
     keys, other_keys = make_keys(workdir / "keys"), make_keys(workdir / "other-keys")
     with moto_server() as endpoint, s3_env(endpoint):
         endpoint.create_bucket(BUCKET)
         published = publish_all(workdir / "published", endpoint.client(), model_dir, keys, other_keys)
-        app = create_app(engine, engine.engine.tokenizer, MODEL_NAME, api_keys, metrics=metrics)
+        app = create_app(engine, engine.engine.tokenizer, MODEL_NAME, api_keys, metrics=metrics,
+                         routing_metrics=routing_metrics)  # fmt: skip
         state = app.state.server
         cache_dir = workdir / "cache"
         cache_dir.mkdir()
@@ -103,7 +126,7 @@ def adapter_world(workdir: Path, engine, model_dir: Path, *, api_keys=None, wait
         state.metrics.watch_engine(engine, source.cache)
         admin = create_admin_app(state, ADMIN_TOKEN, registry, wait_s=wait_s)
         with ServerThread(app) as public, ServerThread(admin) as admin_server:
-            world = AdapterWorld(public, admin_server, source, registry, published)
+            world = AdapterWorld(public, admin_server, source, registry, published, keys, endpoint.client())
             try:
                 yield world
             finally:

@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from loraplane.operator.admin_client import AdminClient, AdminError, LoadRequest, PodAddress
+from tests.adapter_factory import edit_config
 from tests.http.adapter_fixtures import ADMIN_HEADERS, ADMIN_TOKEN, adapter_world
 from tests.http.conftest import wait_until
 
@@ -106,6 +107,23 @@ def test_failures_carry_the_contracts_reason_and_leave_nothing(clean, engine, ke
     listed = clean.versions(name)
     (entry,) = listed.values()
     assert entry["state"] == "failed" and entry["error"]["reason"] == reason
+
+
+@pytest.mark.parametrize(
+    "version, changes, field",
+    [("rnull", {"r": None}, "adapter_config.json.r"), ("rtext", {"r": "4"}, "adapter_config.json.r"),
+     ("anull", {"lora_alpha": None}, "adapter_config.json.lora_alpha"),
+     ("pnull", {"rank_pattern": {"q_proj": None}}, "adapter_config.json.rank_pattern.q_proj"),
+     ("norank", {"r": ...}, "adapter_config.json.r"),  # PEFT's default r (8), not the weights' rank 4
+     ("qalora", {"use_qalora": True}, "adapter_config.json.use_qalora"),
+     ("future", {"future_option": None}, "adapter_config.json.future_option")],
+)  # fmt: skip
+def test_a_signed_config_the_engine_cannot_compute_is_refused_naming_the_field(clean, engine, version, changes,
+                                                                               field):  # fmt: skip
+    adapter = clean.publish_edited(clean.published["chat-v1"], version, edit_config(**changes))
+    response = clean.put("chat", adapter)
+    assert response.status_code >= 400 and field in response.json()["message"], response.text
+    assert not [a for a in engine.adapters() if a.name == "chat"]
 
 
 def test_bad_bodies_and_names_are_refused_naming_the_field(world):

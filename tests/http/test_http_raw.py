@@ -121,6 +121,17 @@ def test_api_keys_through_the_client(keyed_server):
         assert response.usage.completion_tokens <= 2
 
 
+def test_the_key_is_checked_before_the_body_is_read(keyed_server):
+    url = f"{keyed_server.url}/v1/chat/completions"
+    for body in (b'{"model": ', b'{"model": 5}', b"x" * (1 << 20)):  # malformed, invalid, over the body limit
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            response = httpx.post(url, content=body, headers={"content-type": "application/json", **headers})
+            assert assert_error(response, 401)["code"] == "invalid_api_key"
+    keyed = {"content-type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    assert_error(httpx.post(url, content=b'{"model": ', headers=keyed), 400)
+    assert_error(httpx.get(f"{keyed_server.url}/v1/nope"), 401)  # which routes exist is not told either
+
+
 def test_body_too_large_is_413(keyed_server):
     url, headers = f"{keyed_server.url}/v1/completions", {"Authorization": f"Bearer {API_KEY}"}
     big = json.dumps({"model": MODEL_NAME, "prompt": "x" * (80 << 10)}).encode()

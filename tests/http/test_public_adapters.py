@@ -86,6 +86,19 @@ def test_models_lists_what_the_caller_may_use_with_versions(world):
     assert set(listed("key-all")) == {MODEL_NAME, "chat", "support", "tenant-b"}
 
 
+def test_models_retrieve_shows_one_model_the_caller_may_use(world):
+    with client(world, "key-a") as c:
+        card = c.models.retrieve("chat")
+        assert (card.id, card.version, card.parent) == ("chat", "v1", MODEL_NAME)
+        assert c.models.retrieve("chat@v1").version == "v1"  # one version by name, while loaded
+        for hidden in ("tenant-b", "no-such-adapter", "chat@v9"):
+            with pytest.raises(openai.NotFoundError) as caught:
+                c.models.retrieve(hidden)
+            assert caught.value.body["code"] == "model_not_found"
+    with client(world, "key-b") as c:
+        assert c.models.retrieve(MODEL_NAME).id == MODEL_NAME
+
+
 def test_another_tenants_adapter_is_404_exactly_like_a_missing_one(world):
     def error_of(model: str) -> dict:
         with client(world, "key-a") as c, pytest.raises(openai.NotFoundError) as caught:

@@ -140,6 +140,19 @@ def test_serve_adapter_flag_without_keys_takes_an_unsigned_folder_and_warns(
         _served(_serve_options(tiny_chat_model_dir, tmp_path, (("local-chat", str(wrong)),)))
 
 
+def test_serve_adapter_flag_refuses_a_config_whose_numbers_are_not_numbers(tiny_chat_model_dir, tmp_path):
+    config = json.loads((tiny_chat_model_dir / "config.json").read_text())
+    for key, value in (("r", None), ("lora_alpha", None), ("rank_pattern", {"q_proj": None})):
+        folder = make_peft_folder(tmp_path / key, base_config=config)
+        adapter_config = json.loads((folder / "adapter_config.json").read_text())
+        (folder / "adapter_config.json").write_text(json.dumps({**adapter_config, key: value}))
+        options = _serve_options(tiny_chat_model_dir, tmp_path, (("local-chat", str(folder)),))
+        with pytest.raises(
+            ValueError, match=f"adapter: local-chat=.*BadAdapterFile: adapter_config.json.{key}"
+        ):
+            _served(options)
+
+
 def test_adapter_flag_parses_and_names_its_field(tiny_chat_model_dir, tmp_path):
     args = serve.build_parser().parse_args(["--model", str(tiny_chat_model_dir), "--adapter", f"a={tmp_path}",
                                             "--adapter", f"b={tmp_path}:pin"])  # fmt: skip

@@ -114,6 +114,15 @@ class BlobStore:
                 if free and blob.stat().st_nlink == 1 and time.time() - blob.stat().st_mtime > 60:
                     os.unlink(blob.path)
 
+    def _drop_unlinked_blobs(self, manifest: Manifest) -> None:
+        """After a refusal: the manifest's blobs that no adapter folder links. One that another pull is
+        writing (its lock is held) stays; a pull about to link one that goes fetches it again."""
+        for entry in manifest.files.values():
+            blob = self._blob(entry.sha256)
+            with suppress(FileNotFoundError), flock(self._lock("blob", entry.sha256), blocking=False) as free:
+                if free and blob.stat().st_nlink == 1:
+                    blob.unlink()
+
     # --- pins and in-use -----------------------------------------------------------------------------
 
     def pin(self, digest: str) -> None:

@@ -41,11 +41,11 @@ from loraplane.artifacts.manifest import (
     WEIGHTS_FILE,
     Manifest,
 )
-from loraplane.artifacts.peft import inspect_weights
 from loraplane.artifacts.verify import (
     DEFAULT_MAX_FILE_BYTES,
     Policy,
     VerifiedManifest,
+    check_folder_contents,
     fetch_verified_manifest,
     hash_file,
     verify_manifest_bytes,
@@ -199,7 +199,8 @@ class HostCache(BlobStore):
     def _assemble(
         self, hex_: str, verified: VerifiedManifest, bucket: str, prefix: str, policy: Policy
     ) -> None:
-        """Build the adapter folder in tmp/ from verified blobs, check the weights header, rename it in."""
+        """Build the adapter folder in tmp/ from verified blobs, compare its files with the manifest, rename it in.
+        A refusal removes the blobs it downloaded that no other adapter links."""
         build = self.root / "tmp" / f"adapter-{hex_}.{uuid.uuid4().hex}"
         build.mkdir()
         try:
@@ -220,33 +221,18 @@ class HostCache(BlobStore):
                     raise E.ArtifactError(E.CACHE_FULL, "blob evicted repeatedly while assembling", name)
             write_atomic(build / MANIFEST_FILE, verified.manifest_bytes)
             write_atomic(build / SIGNATURE_FILE, verified.signature_bytes)
-            self._check_weights(build, verified.manifest, policy)
+            check_folder_contents(build, verified.manifest, policy)
             fsync_dir(build)
             os.rename(build, self._folder(hex_))
             fsync_dir(self._folder(hex_).parent)
+        except E.ArtifactError as exc:
+            shutil.rmtree(build, ignore_errors=True)
+            if not exc.transient:  # refused: nothing of it stays (a transient failure keeps what it fetched)
+                self._drop_unlinked_blobs(verified.manifest)
+            raise
         finally:
             if build.exists():
                 shutil.rmtree(build, ignore_errors=True)
-
-    @staticmethod
-    def _check_weights(folder: Path, manifest: Manifest, policy: Policy) -> None:
-        """The signed bytes must also be a servable LoRA: modules, ranks and dtype as the manifest says."""
-        weights = inspect_weights(folder / WEIGHTS_FILE, allowed_modules=policy.allowed_modules)
-        if set(weights.ranks) != set(manifest.target_modules):
-            raise E.ArtifactError(
-                E.UNKNOWN_MODULE,
-                f"weights hold {sorted(weights.ranks)}, manifest says {manifest.target_modules}",
-                WEIGHTS_FILE,
-            )
-        for module, rank in weights.ranks.items():
-            if rank > manifest.ranks[module]:
-                raise E.ArtifactError(
-                    E.RANK_TOO_HIGH, f"{module} rank {rank} > manifest {manifest.ranks[module]}", WEIGHTS_FILE
-                )
-        if weights.dtype != manifest.dtype:
-            raise E.ArtifactError(
-                E.BAD_MANIFEST, f"weights are {weights.dtype}, manifest says {manifest.dtype}", WEIGHTS_FILE
-            )
 
     # --- budget and eviction -------------------------------------------------------------------------
 

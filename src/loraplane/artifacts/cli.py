@@ -110,7 +110,7 @@ def cmd_push(args) -> dict:
 
 
 def cmd_verify(args) -> dict:
-    from loraplane.artifacts.verify import fetch_verified_manifest, verify_folder
+    from loraplane.artifacts.verify import fetch_verified_manifest, verify_folder, verify_remote_files
 
     policy = _policy(args)
     if args.target.startswith("s3://"):
@@ -125,7 +125,7 @@ def cmd_verify(args) -> dict:
             retry=_retry(args),
         )
         if not args.manifest_only:
-            _hash_remote(client, args.target, verified.manifest, _retry(args))
+            verify_remote_files(client, args.target, verified.manifest, policy, _retry(args))
     else:
         verified = verify_folder(Path(args.target), trusted_keys=_trusted(args), policy=policy)
     return {
@@ -254,32 +254,6 @@ def _read_target(args) -> tuple[bytes, bytes | None]:
         raise E.ArtifactError(E.MISSING_FILE, f"no manifest in {folder}", MANIFEST_FILE)
     sig = folder / SIGNATURE_FILE
     return (folder / MANIFEST_FILE).read_bytes(), sig.read_bytes() if sig.is_file() else None
-
-
-class _Null:
-    def write(self, data: bytes) -> int:
-        return len(data)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *_):
-        return None
-
-
-def _hash_remote(client, uri: str, manifest: Manifest, retry: S3.RetryPolicy) -> None:
-    """Stream every file once through sha256 without storing it."""
-    bucket, prefix = S3.parse_s3_uri(uri)
-    for name, entry in manifest.files.items():
-        S3.stream_verified(
-            client,
-            bucket,
-            prefix + name,
-            sha256=entry.sha256,
-            size=entry.size,
-            open_sink=_Null,
-            retry=retry,
-        )
 
 
 def _parser() -> argparse.ArgumentParser:

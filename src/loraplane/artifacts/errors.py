@@ -29,6 +29,9 @@ FILE_TOO_LARGE = "FileTooLarge"  # above the configured size limit
 # --- content ---------------------------------------------------------------------------------------
 RANK_TOO_HIGH = "RankTooHigh"  # a LoRA rank above the limit
 UNKNOWN_MODULE = "UnknownModule"  # a target module the engine does not serve
+UNSUPPORTED_ADAPTER = (
+    "UnsupportedAdapter"  # a PEFT option that changes the math in a way not served (DoRA, ...)
+)
 SHAPE_MISMATCH = "ShapeMismatch"  # lora_A/lora_B shapes do not fit the base model
 RANK_MISMATCH = "RankMismatch"  # adapter_config.json's r or rank_pattern differs from the weights' ranks
 BAD_MANIFEST = "BadManifest"  # malformed manifest or adapter_config.json
@@ -67,6 +70,7 @@ REASONS = frozenset(
         FILE_TOO_LARGE,
         RANK_TOO_HIGH,
         UNKNOWN_MODULE,
+        UNSUPPORTED_ADAPTER,
         SHAPE_MISMATCH,
         BAD_MANIFEST,
         BAD_URI,

@@ -36,8 +36,8 @@ from loraplane.artifacts.peft import (
     check_rank,
     inspect_weights,
     module_scaling,
-    read_adapter_config,
 )
+from loraplane.artifacts.peft_config import read_adapter_config
 from loraplane.artifacts.signing import parse_signature, sign_bytes
 from loraplane.artifacts.verify import (
     check_listing,

@@ -1,5 +1,7 @@
 """Torch-free checks of a PEFT LoRA folder against the base model's ``config.json``.
 
+The config itself is read by peft_config.py.
+
 Only the safetensors header is read here (shapes, dtypes, a layout that fits the file); the tensor bytes
 are checked by tensors.py in the pass that hashes them. PEFT key layout:
 ``base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight`` with lora_A [r, in]
@@ -8,15 +10,14 @@ and lora_B [out, r].
 
 from __future__ import annotations
 
-import json
-import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from loraplane.artifacts import errors as E
 from loraplane.artifacts.manifest import CONFIG_FILE, KNOWN_MODULES, WEIGHTS_FILE
-from loraplane.artifacts.tensors import read_layout
+from loraplane.artifacts.peft_config import AdapterConfig, lora_scale
+from loraplane.artifacts.tensors import TensorSpan, read_layout
 
 _KEY = re.compile(
     r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.([A-Za-z_]+)\.lora_(A|B)\.weight$"
@@ -25,15 +26,6 @@ _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", 
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 _DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 DEFAULT_MAX_RANK = 64
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterConfig:
-    rank: int
-    alpha: float
-    use_rslora: bool
-    rank_pattern: dict = field(default_factory=dict)  # PEFT: regex key -> rank, first match wins
-    alpha_pattern: dict = field(default_factory=dict)  # PEFT: regex key -> lora_alpha
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,31 +45,13 @@ class ModuleScaling:
     scales: dict[str, float]
 
 
-def lora_scale(alpha: float, rank: int, use_rslora: bool) -> float:
-    """PEFT's ``LoraLayer.update_layer``: alpha / sqrt(r) with rsLoRA, else alpha / r."""
-    return alpha / math.sqrt(rank) if use_rslora else alpha / rank
-
-
-def _pattern_value(patterns: dict, key: str, default, field_: str):
-    r"""PEFT's ``get_pattern_key``: the first pattern ``p`` (in file order) with ``(.*\.)?(p)$`` matching ``key``."""
-    for pattern, value in patterns.items():
-        try:
-            if re.match(rf"(.*\.)?({pattern})$", key):
-                return value
-        except re.error as exc:
-            raise E.ArtifactError(
-                E.BAD_MANIFEST, f"not a regular expression ({exc})", f"{field_}.{pattern}"
-            ) from None
-    return default
-
-
 def module_scaling(config: AdapterConfig, weights: AdapterWeights) -> ModuleScaling:
     """Per-module rank, alpha and scale as PEFT computes them for each layer; the config's ``r`` and
     ``rank_pattern`` must give the ranks the weights hold, and each module one value over its layers."""
     per_module: dict[str, set[tuple[int, float]]] = {}
     for (layer, module), rank in sorted(weights.pair_ranks.items()):
         key = f"model.layers.{layer}.{_PARENT[module]}.{module}"  # the name PEFT matches patterns against
-        want = _pattern_value(config.rank_pattern, key, config.rank, f"{CONFIG_FILE}.rank_pattern")
+        want = config.rank_of(key)
         if want != rank:
             where = "rank_pattern" if want != config.rank else "r"
             raise E.ArtifactError(
@@ -85,8 +59,7 @@ def module_scaling(config: AdapterConfig, weights: AdapterWeights) -> ModuleScal
                 f"layer {layer} {module}: the config gives rank {want}, the weights hold rank {rank}",
                 f"{CONFIG_FILE}.{where}",
             )
-        alpha = _pattern_value(config.alpha_pattern, key, config.alpha, f"{CONFIG_FILE}.alpha_pattern")
-        per_module.setdefault(module, set()).add((rank, float(alpha)))
+        per_module.setdefault(module, set()).add((rank, config.alpha_of(key)))
     ranks, alphas, scales = {}, {}, {}
     for module, values in sorted(per_module.items()):
         if len(values) != 1:
@@ -101,62 +74,18 @@ def module_scaling(config: AdapterConfig, weights: AdapterWeights) -> ModuleScal
     return ModuleScaling(ranks, alphas, scales)
 
 
-def _patterns(cfg: dict, name: str, kind: type) -> dict:
-    field_ = f"{CONFIG_FILE}.{name}"
-    value = cfg.get(name) or {}
-    if not isinstance(value, dict) or len(value) > 1024:
-        raise E.ArtifactError(E.BAD_MANIFEST, "must be an object pattern -> value", field_)
-    for pattern, item in value.items():
-        number = not isinstance(item, bool) and isinstance(item, kind) and item > 0
-        if not number or not 0 < len(pattern) <= 256:
-            raise E.ArtifactError(E.BAD_MANIFEST, f"{item!r} is not a positive {kind}", f"{field_}.{pattern}")
-    return value
-
-
-def read_adapter_config(path: Path) -> AdapterConfig:
-    field_ = CONFIG_FILE
-    try:
-        cfg = json.loads(Path(path).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise E.ArtifactError(E.BAD_MANIFEST, f"unreadable ({exc})", field_) from None
-    except RecursionError:
-        raise E.ArtifactError(E.BAD_MANIFEST, "JSON nested too deeply", field_) from None
-    if not isinstance(cfg, dict):
-        raise E.ArtifactError(E.BAD_MANIFEST, "not a JSON object", field_)
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise E.ArtifactError(
-            E.BAD_MANIFEST, f"peft_type {cfg.get('peft_type')!r} is not LORA", f"{field_}.peft_type"
-        )
-    for flag in ("use_dora", "fan_in_fan_out"):
-        if cfg.get(flag):
-            raise E.ArtifactError(E.BAD_MANIFEST, f"{flag}=true is not served", f"{field_}.{flag}")
-    if cfg.get("bias", "none") != "none":
-        raise E.ArtifactError(E.BAD_MANIFEST, "only bias='none' is served", f"{field_}.bias")
-    if cfg.get("modules_to_save"):
-        raise E.ArtifactError(
-            E.BAD_MANIFEST, "modules_to_save (full weights) is not served", f"{field_}.modules_to_save"
-        )
-    rank, alpha = cfg.get("r"), cfg.get("lora_alpha", 8)  # PEFT's LoraConfig defaults: lora_alpha=8
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise E.ArtifactError(E.BAD_MANIFEST, f"r={rank!r} is not a positive integer", f"{field_}.r")
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or alpha <= 0:
-        raise E.ArtifactError(E.BAD_MANIFEST, f"lora_alpha={alpha!r} is not positive", f"{field_}.lora_alpha")
-    return AdapterConfig(
-        rank=rank,
-        alpha=float(alpha),
-        use_rslora=bool(cfg.get("use_rslora", False)),
-        rank_pattern=_patterns(cfg, "rank_pattern", int),
-        alpha_pattern=_patterns(cfg, "alpha_pattern", int | float),
-    )
-
-
 def inspect_weights(path: Path, *, allowed_modules=KNOWN_MODULES) -> AdapterWeights:
     """Ranks, dtype and layers from the safetensors header; refuses unknown keys and inconsistent pairs."""
-    field_ = WEIGHTS_FILE
     try:
-        spans = read_layout(Path(path), field_)
+        spans = read_layout(Path(path), WEIGHTS_FILE)
     except OSError as exc:
-        raise E.ArtifactError(E.BAD_MANIFEST, str(exc), field_) from None
+        raise E.ArtifactError(E.BAD_MANIFEST, str(exc), WEIGHTS_FILE) from None
+    return weights_of(spans, allowed_modules=allowed_modules)
+
+
+def weights_of(spans: list[TensorSpan], *, allowed_modules=KNOWN_MODULES) -> AdapterWeights:
+    """inspect_weights for a header already read (a download's TensorScanner has it)."""
+    field_ = WEIGHTS_FILE
     pairs: dict[tuple[int, str], dict[str, list[int]]] = {}
     dtypes = set()
     for span in spans:

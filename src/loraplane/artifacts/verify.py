@@ -1,13 +1,19 @@
-"""Verification: signature, pinned digest, base hash, policy (rank, modules, sizes) and the file list.
+"""Verification: signature, pinned digest, base hash, policy (rank, modules, sizes), the file list, and
+that the signed files say what the signed manifest says.
 
 ``fetch_verified_manifest`` reads only the manifest, its signature and the object listing from S3 (never
 the weights): what the operator needs before it lets an adapter near a pod. ``verify_folder`` checks a
-local folder completely, hashing every file. The host cache (cache.py) hashes while it streams.
+local folder completely, hashing every file. The host cache (cache.py) hashes while it streams. Whoever
+holds the files (``verify_folder``, the host cache, ``loraplane adapter verify s3://...``) then compares
+them with the manifest through ``check_contents``: a producer's mistake (or a careless signer) must not
+turn into weights that differ from what the signature vouches for.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +21,7 @@ from pathlib import Path
 from loraplane.artifacts import errors as E
 from loraplane.artifacts import s3 as S3
 from loraplane.artifacts.manifest import (
+    CONFIG_FILE,
     KNOWN_MODULES,
     MANIFEST_FILE,
     OPTIONAL_FILES,
@@ -27,9 +34,10 @@ from loraplane.artifacts.manifest import (
     normalize_base_hash,
     normalize_digest,
 )
-from loraplane.artifacts.peft import check_rank
+from loraplane.artifacts.peft import check_rank, module_scaling, weights_of
+from loraplane.artifacts.peft_config import lora_scale, parse_adapter_config
 from loraplane.artifacts.signing import verify_signature
-from loraplane.artifacts.tensors import hash_and_check
+from loraplane.artifacts.tensors import TensorScanner, TensorSpan, hash_and_check, read_layout
 
 DEFAULT_MAX_FILE_BYTES = 4 << 30  # 4 GiB: far above any LoRA of a served base
 MAX_MANIFEST_BYTES = 1 << 20
@@ -173,6 +181,42 @@ def fetch_verified_manifest(
     return verified
 
 
+def verify_remote_files(client, uri: str, manifest: Manifest, policy: Policy, retry: S3.RetryPolicy) -> None:
+    """Stream every file of a verified manifest once through sha256 (the weights through the tensor checks
+    too), storing none but the small config, then compare the files with the manifest (check_contents)."""
+    bucket, prefix = S3.parse_s3_uri(uri)
+    config, discard, scanners = _Sink(keep=True), _Sink(keep=False), []
+
+    def new_scanner() -> TensorScanner:
+        scanners.append(TensorScanner(manifest.files[WEIGHTS_FILE].size, WEIGHTS_FILE))
+        return scanners[-1]
+
+    for name, entry in manifest.files.items():
+        S3.stream_verified(client, bucket, prefix + name, sha256=entry.sha256, size=entry.size,
+                           open_sink=(lambda: config) if name == CONFIG_FILE else (lambda: discard), retry=retry,
+                           new_check=new_scanner if name == WEIGHTS_FILE else None)  # fmt: skip
+    check_contents(manifest, scanners[-1].spans, bytes(config.data), policy)
+
+
+class _Sink:
+    """Where a streamed file goes: kept in memory (the config) or dropped; each attempt starts empty."""
+
+    def __init__(self, keep: bool) -> None:
+        self.keep, self.data = keep, bytearray()
+
+    def write(self, data: bytes) -> int:
+        if self.keep:
+            self.data += data
+        return len(data)
+
+    def __enter__(self) -> _Sink:
+        self.data.clear()
+        return self
+
+    def __exit__(self, *_) -> None:
+        return None
+
+
 def hash_file(path: Path, name: str, expected: str | None = None) -> str:
     """sha256 of an artifact file; the weights are checked (layout, finite values) in the same read."""
     if name == WEIGHTS_FILE:
@@ -207,4 +251,58 @@ def verify_folder(folder: Path, *, trusted_keys: Mapping[str, bytes], policy: Po
     for name, entry in verified.manifest.files.items():
         if hash_file(folder / name, name, entry.sha256) != entry.sha256:
             raise E.ArtifactError(E.FILE_HASH_MISMATCH, "sha256 differs from the manifest", name)
+    check_folder_contents(folder, verified.manifest, policy)
     return verified
+
+
+def check_folder_contents(folder: Path, manifest: Manifest, policy: Policy) -> None:
+    """check_contents for a folder whose files already matched the manifest's hashes."""
+    folder = Path(folder)
+    spans = read_layout(folder / WEIGHTS_FILE, WEIGHTS_FILE)
+    check_contents(manifest, spans, (folder / CONFIG_FILE).read_bytes(), policy)
+
+
+def check_contents(manifest: Manifest, spans: list[TensorSpan], config_bytes: bytes, policy: Policy) -> None:
+    """The one comparison of the files with their manifest: the weights' modules, ranks and dtype (their
+    safetensors header, ``spans``) and the config's scaling must be exactly the manifest's."""
+    weights = weights_of(spans, allowed_modules=policy.allowed_modules)
+    if set(weights.ranks) != set(manifest.target_modules):
+        raise E.ArtifactError(E.UNKNOWN_MODULE, f"the weights hold {sorted(weights.ranks)}, the manifest says "
+                              f"{list(manifest.target_modules)}", WEIGHTS_FILE)  # fmt: skip
+    for module, rank in weights.ranks.items():
+        if rank != manifest.ranks[module]:
+            reason = E.RANK_TOO_HIGH if rank > manifest.ranks[module] else E.RANK_MISMATCH
+            raise E.ArtifactError(reason, f"{module} has rank {rank}, the manifest says {manifest.ranks[module]}",
+                                  WEIGHTS_FILE)  # fmt: skip
+    if weights.dtype != manifest.dtype:
+        raise E.ArtifactError(
+            E.BAD_MANIFEST,
+            f"the weights are {weights.dtype}, the manifest says {manifest.dtype}",
+            WEIGHTS_FILE,
+        )
+    try:
+        config = parse_adapter_config(json.loads(config_bytes))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise E.ArtifactError(E.BAD_MANIFEST, f"unreadable ({type(exc).__name__})", CONFIG_FILE) from None
+    _check_scaling(manifest, config, module_scaling(config, weights))
+
+
+def _check_scaling(manifest: Manifest, config, scaling) -> None:
+    """The config computes the alphas and scales the manifest records (pack wrote them from it)."""
+    alphas = (
+        dict(manifest.alphas) if manifest.alphas is not None else {m: manifest.alpha for m in scaling.ranks}
+    )
+    scales = dict(manifest.scales) if manifest.scales is not None else {
+        m: lora_scale(alphas[m], r, manifest.use_rslora) for m, r in scaling.ranks.items()
+    }  # fmt: skip
+    recorded = {"use_rslora": manifest.use_rslora, "alpha": manifest.alpha, **{f"alphas.{m}": a for m, a in alphas.items()},
+                **{f"scales.{m}": v for m, v in scales.items()}}  # fmt: skip
+    computed = {"use_rslora": config.use_rslora, "alpha": config.alpha,
+                **{f"alphas.{m}": a for m, a in scaling.alphas.items()},
+                **{f"scales.{m}": v for m, v in scaling.scales.items()}}  # fmt: skip
+    for key in sorted(recorded.keys() | computed.keys()):
+        mine, theirs = recorded.get(key), computed.get(key)
+        if mine is None or theirs is None or not math.isclose(mine, theirs, rel_tol=1e-9):
+            raise E.ArtifactError(
+                E.BAD_MANIFEST, f"manifest.{key} is {mine}, {CONFIG_FILE} gives {theirs}", CONFIG_FILE
+            )

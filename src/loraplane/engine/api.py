@@ -17,6 +17,8 @@ class EngineInfo:
     target_modules: tuple[str, ...]  # PEFT module names an adapter may target
     device: str
     dtype: str
+    max_loras: int = 0  # adapters the GPU pools hold at once at max_lora_rank (0: no adapters)
+    kv_block_size: int = 0  # tokens per KV block
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,3 +84,19 @@ class StepStats:
     adapter_bytes_budget: int
     # Unified memory only (None in split mode): the shared GPU pool's bytes by MEMORY_USES.
     gpu_memory_bytes: dict[str, int] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """The scheduler's queues as of the engine thread's last step or command batch (read at scrape time).
+
+    Adapters are engine keys (``name@version``) of requests running (scheduled) or waiting (queued).
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    running_adapters: frozenset[str] = frozenset()
+    waiting_adapters: frozenset[str] = frozenset()
+    updated_at: float = 0.0  # wall-clock seconds (time.time()) when the queues last changed

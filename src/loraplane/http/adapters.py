@@ -166,7 +166,7 @@ class AdapterRegistry:
 
     def _phase(self, entry: Entry, phase: str, seconds: float) -> None:
         entry.timings[phase] = round(seconds, 6)
-        self.metrics.phase.labels(phase).observe(seconds)
+        self.metrics.observe_phase(phase, seconds)
 
     # --- alias, pin, DELETE -------------------------------------------------------------------------------
     def usable(self, name: str, version: str) -> AdapterInfo | None:

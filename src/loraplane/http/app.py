@@ -9,7 +9,8 @@ public methods and the types of ``engine.api``.
 from __future__ import annotations
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
 
 from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.http.auth import ApiKeys
@@ -18,9 +19,38 @@ from loraplane.http.logs import RequestLog
 from loraplane.http.metrics import Metrics
 from loraplane.http.models import ServedModels
 from loraplane.http.openai_api import router as openai_router
-from loraplane.http.state import ServerState, health, liveness, require_api_key, server_state
+from loraplane.http.state import (
+    ServerState,
+    health,
+    invalid_api_key,
+    liveness,
+    require_api_key,
+    server_state,
+)
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits max_model_len; stops memory abuse first
+
+
+class ApiKeyGate:
+    """ASGI middleware: a call to a path that needs a key is refused (401) before its body is read or parsed,
+    so a caller without a key learns nothing of the schema and costs no JSON parsing. The principal it lets
+    in travels in the scope's state to ``require_api_key``."""
+
+    def __init__(self, app, api_keys: ApiKeys | None) -> None:
+        self.app, self.api_keys = app, api_keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.api_keys is None or not _needs_key(scope["path"]):
+            return await self.app(scope, receive, send)
+        principal = self.api_keys.authenticate(Headers(scope=scope).get("authorization"))
+        if principal is None:
+            return await invalid_api_key().response()(scope, receive, send)
+        scope.setdefault("state", {})["principal"] = principal
+        await self.app(scope, receive, send)
+
+
+def _needs_key(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/") or path == "/openapi.json"
 
 
 class BodySizeLimit:
@@ -73,8 +103,10 @@ def create_app(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: Metrics | None = None,
+    routing_metrics: bool = False,
 ) -> FastAPI:
-    """The public app. Its /openapi.json needs a key whenever keys are configured."""
+    """The public app. Its /openapi.json needs a key whenever keys are configured. ``routing_metrics``: serve
+    the routers' metric families at /metrics without a key (the endpoint picker scrapes the serving port)."""
     if not served_model_name:
         raise ValueError("served_model_name: must be non-empty")
     if isinstance(api_keys, list):
@@ -93,12 +125,20 @@ def create_app(
     install_error_handlers(app)
     app.include_router(openai_router, prefix="/v1", dependencies=[Depends(require_api_key)])
     _add_health_routes(app)
+    if routing_metrics:
+
+        @app.get("/metrics", include_in_schema=False)
+        async def routing() -> Response:
+            return Response(
+                metrics.routing_exposition(), media_type="text/plain; version=0.0.4; charset=utf-8"
+            )
 
     @app.get("/openapi.json", include_in_schema=False, dependencies=[Depends(require_api_key)])
     async def openapi() -> JSONResponse:
         return JSONResponse(app.openapi())
 
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    app.add_middleware(ApiKeyGate, api_keys=api_keys)  # outside the body limit: no key, no body read
     app.add_middleware(RequestLog, metrics=metrics)
     return app
 

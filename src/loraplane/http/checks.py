@@ -17,35 +17,125 @@ MAX_STOP_STRINGS = 4  # OpenAI's documented bound ("up to 4 sequences")
 MAX_STOP_CHARS = 4096  # all stop strings together: each is matched against the output on the engine thread
 
 
+# Fields declared so that they are refused by name: the values that ask for nothing (besides null, always fine).
+# A value outside its tuple is a 400 naming the field; a field not listed here is honoured.
+_OFF: dict[str, tuple] = {
+    "best_of": (1,),  # vLLM deprecated it; n samples are independent anyway
+    "use_beam_search": (False,),
+    "length_penalty": (1,),  # beam search only
+    "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "truncate_prompt_tokens": (),
+    "prompt_logprobs": (),
+    "allowed_token_ids": (),
+    "bad_words": ([],),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "structured_outputs": (),
+    "priority": (0,),
+    "request_id": (),
+    "logits_processors": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "vllm_xargs": (),
+}
+_CHAT_OFF: dict[str, tuple] = {
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True, False),  # meaningless without tools
+    "functions": ([],),
+    "function_call": ("none",),
+    "audio": (),
+    "modalities": (["text"],),
+    "moderation": (),
+    "prediction": (),
+    "prompt_cache_options": (),
+    "prompt_cache_retention": (),
+    "reasoning_effort": (),
+    "service_tier": ("auto", "default"),
+    "store": (False,),  # nothing is kept after the answer
+    "verbosity": (),
+    "web_search_options": (),
+    "echo": (False,),
+    "documents": (),
+    "chat_template": (),
+    "chat_template_kwargs": ({},),
+    "mm_processor_kwargs": ({},),
+}
+_MESSAGE_OFF: dict[str, tuple] = {
+    "tool_calls": ([],),
+    "tool_call_id": (),
+    "function_call": (),
+    "refusal": (),
+    "audio": (),
+    "annotations": ([],),
+}
+_COMPLETION_OFF: dict[str, tuple] = {"suffix": ("",), "prompt_embeds": ()}
+
+
+def _same(value, ok) -> bool:
+    if isinstance(value, bool) or isinstance(ok, bool):  # true is not 1 here
+        return value is ok
+    return value == ok
+
+
+def _refuse_set(obj, table: dict[str, tuple], prefix: str = "") -> None:
+    for name, off in table.items():
+        value = getattr(obj, name)
+        if value is not None and not any(_same(value, ok) for ok in off):
+            param = f"{prefix}{name}"
+            raise bad_request(f"{param}: not supported by this server (got {value!r})", param)
+
+
 def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
-    if body.n != 1:
-        raise bad_request(f"n: only n=1 is supported, got {body.n}", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) not in (None, 0):
-            raise bad_request(f"{name}: not supported (only 0)", name)
-    if body.logit_bias:
-        raise bad_request("logit_bias: not supported", "logit_bias")
+    _refuse_set(body, _OFF)
+    if body.stream_options is not None:
+        if not body.stream:
+            raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+        _refuse_set(body.stream_options, {"include_obfuscation": (False,)}, "stream_options.")
     check_stop(body.stop)
     if body.top_k is not None and body.top_k > vocab_size:
         raise bad_request(
             f"top_k: must be at most the vocabulary size {vocab_size}, got {body.top_k}", "top_k"
         )
+    _check_logit_bias(body.logit_bias or {}, vocab_size)
+    bad_stop = next((t for t in body.stop_token_ids or () if t >= vocab_size), None)
+    if bad_stop is not None:
+        raise bad_request(
+            f"stop_token_ids: token id {bad_stop} is outside the vocabulary [0, {vocab_size})",
+            "stop_token_ids",
+        )
     if isinstance(body, ChatCompletionRequest):
-        if body.tools:
-            raise bad_request("tools: tool calling is not supported", "tools")
-        if body.tool_choice not in (None, "none"):
-            raise bad_request("tool_choice: tool calling is not supported", "tool_choice")
-        if body.response_format and body.response_format.get("type") != "text":
-            raise bad_request("response_format: only type 'text' is supported", "response_format")
+        _refuse_set(body, _CHAT_OFF)
+        for i, message in enumerate(body.messages):
+            _refuse_set(message, _MESSAGE_OFF, f"messages[{i}].")
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
+        if body.continue_final_message and body.add_generation_prompt:
+            raise bad_request(
+                "continue_final_message: needs add_generation_prompt=false", "continue_final_message"
+            )
     else:
-        if body.echo:
-            raise bad_request("echo: not supported", "echo")
-        if body.best_of not in (None, 1):
-            raise bad_request("best_of: only 1 is supported", "best_of")
-        if body.suffix:
-            raise bad_request("suffix: not supported", "suffix")
+        _refuse_set(body, _COMPLETION_OFF)
+        if body.echo and body.logprobs is not None:  # it would need the prompt's own logprobs
+            raise bad_request("echo: not supported together with logprobs", "echo")
+
+
+def _check_logit_bias(bias: dict[str, float], vocab_size: int) -> None:
+    for key in bias:
+        if not key.isdigit() or int(key) >= vocab_size:
+            raise bad_request(
+                f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r}", "logit_bias"
+            )
 
 
 def check_stop(stop: str | list[str] | None) -> None:
@@ -98,8 +188,15 @@ def sampling_params(
             seed=body.seed,
             max_tokens=max_tokens,
             stop=stop,
+            stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=body.ignore_eos,
             logprobs=logprobs,
+            logit_bias=tuple((int(k), v) for k, v in (body.logit_bias or {}).items()),
+            min_tokens=body.min_tokens,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0,
         )
     except ValueError as exc:
         raise from_engine_value_error(exc, prompt_param) from None
@@ -114,14 +211,33 @@ def chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
         if message.name:
             turn["name"] = message.name
         conversation.append(turn)
+    if body.continue_final_message and conversation[-1]["role"] != "assistant":
+        raise bad_request(
+            "continue_final_message: the last message must be the assistant's", "continue_final_message"
+        )
     try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            conversation,
+            tokenize=False,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+        )
     except Exception as exc:  # jinja2 errors, including the template's own raise_exception()
         raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from None
-    return list(tokenizer.encode(text, add_special_tokens=False))  # the template holds the special tokens
+    # The template holds the special tokens; add_special_tokens (vLLM) adds the tokenizer's own on top.
+    return list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
 
 
-def completion_prompt(tokenizer, vocab_size: int, prompt) -> list[int]:
+def prompt_text(tokenizer, prompt) -> str:
+    """The prompt as text, for echo: as sent, or its token ids decoded."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.decode(prompt) if tokenizer is not None else ""
+
+
+def completion_prompt(tokenizer, vocab_size: int, prompt, add_special_tokens: bool = True) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
         if len(prompt) != 1:
             raise bad_request(f"prompt: one prompt per request, got a batch of {len(prompt)}", "prompt")
@@ -129,7 +245,7 @@ def completion_prompt(tokenizer, vocab_size: int, prompt) -> list[int]:
     if isinstance(prompt, str):
         if prompt and tokenizer is None:
             raise bad_request("prompt: this server has no tokenizer; send token ids", "prompt")
-        ids = list(tokenizer.encode(prompt)) if prompt else []
+        ids = list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens)) if prompt else []
     else:
         ids = list(prompt)
         bad = next((t for t in ids if t < 0 or t >= vocab_size), None)

@@ -33,6 +33,12 @@ _ENGINE_FIELDS = {
     "SamplingParams.stop": "stop",
     "SamplingParams.logprobs": "logprobs",
     "SamplingParams.stop_token_ids": "stop_token_ids",
+    "SamplingParams.logit_bias": "logit_bias",
+    "SamplingParams.min_tokens": "min_tokens",
+    "SamplingParams.presence_penalty": "presence_penalty",
+    "SamplingParams.frequency_penalty": "frequency_penalty",
+    "SamplingParams.repetition_penalty": "repetition_penalty",
+    "SamplingParams.min_p": "min_p",
 }
 
 
@@ -116,6 +122,10 @@ def install_error_handlers(app: FastAPI) -> None:
         param = _loc_to_param(tuple(first.get("loc", ())))
         if param is None and first.get("type") == "missing":
             return bad_request("a JSON object body is required").response()
+        if first.get("type") == "extra_forbidden":  # as OpenAI: a field nobody defines is not ignored
+            return bad_request(
+                f"{param}: unknown field (not in OpenAI's API nor vLLM's extensions)", param
+            ).response()
         message = f"{param}: {first['msg']}" if param else str(first["msg"])
         return bad_request(message, param).response()
 

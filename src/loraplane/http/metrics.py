@@ -5,6 +5,10 @@ Cardinality: the ``adapter`` label appears only on the per-request counters and 
 ``max_adapter_labels`` distinct names (the first ones seen since start); later names count as ``other``.
 Tiers, phases, statuses and verification reasons are closed sets. Everything about every adapter is in
 ``GET /admin/adapters`` instead.
+
+Beside our own metrics, the families routers read, in vLLM's names (the Gateway API Inference Extension's
+model-server protocol, and the per-adapter residency gauges llm-d's scorer reads): see ``_RoutingCollector``.
+They are also served alone (``routing_exposition``) where a router scrapes without the admin token.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from loraplane.engine.api import StepStats
+
+LEVELS = {"gpu": "gpu", "host": "cpu"}  # our tier -> the residency level routers know (disk: not loaded)
 
 BASE_LABEL = "base"
 OTHER_LABEL = "other"
@@ -91,6 +97,17 @@ class Metrics:
         # Unified memory only: no samples in split mode, where the two pools above are fixed.
         self.gpu_memory = Gauge(p + "gpu_memory_bytes", "Unified GPU memory pool bytes, by use (kv, adapters, "
                                 "free)", ["use"], registry=r)  # fmt: skip
+        # --- routers (vLLM's names): also in routing_registry, the set a router may scrape without the token
+        self.routing_registry = CollectorRegistry(auto_describe=True)
+        self.lora_load = Histogram("vllm:lora_adapter_load_seconds", "Time to load an adapter version into the "
+                                   "engine (parse and validate)", buckets=PHASE_BUCKETS, registry=r)  # fmt: skip
+        self.routing_registry.register(self.lora_load)
+
+    def observe_phase(self, phase: str, seconds: float) -> None:
+        """One phase of an adapter load (PHASES); the engine load also feeds the routers' load histogram."""
+        self.phase.labels(phase).observe(seconds)
+        if phase == "load":
+            self.lora_load.observe(seconds)
 
     def on_step(self, stats: StepStats) -> None:
         """An engine step listener (runs on the engine thread; prometheus_client is thread-safe)."""
@@ -103,11 +120,19 @@ class Metrics:
             self.gpu_memory.labels(use).set(size)
 
     def watch_engine(self, engine, host_cache=None) -> None:
-        """Gauges read at scrape time: adapters and bytes per tier, host cache use and evictions."""
+        """Gauges read at scrape time: adapters and bytes per tier, host cache use and evictions, and the
+        queues and residency routers read."""
         self.registry.register(_TierCollector(engine, host_cache))
+        routing = _RoutingCollector(engine)
+        self.registry.register(routing)
+        self.routing_registry.register(routing)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+    def routing_exposition(self) -> bytes:
+        """Only the routers' families (no per-request counters, no adapter lifecycle detail)."""
+        return generate_latest(self.routing_registry)
 
 
 class _TierCollector:
@@ -142,3 +167,63 @@ class _TierCollector:
             size.add_metric([tier], b)
         yield count
         yield size
+
+
+class _RoutingCollector:
+    """What the endpoint picker of the Gateway API Inference Extension scrapes, in the names it defaults to.
+
+    Protocol: queue length, running requests, KV use as a fraction, and ``vllm:lora_requests_info`` whose
+    value is the time its labels last changed (the picker keeps the series with the largest value) and whose
+    labels name the adapters of running and waiting requests, comma-joined, and ``max_lora``, the adapters
+    the GPU holds at once. That metric misses adapters resident but idle, so ``vllm:lora_adapter_loaded``
+    (1 per serving version on the GPU or in host RAM) and the slot gauges say where each adapter sits.
+    Label values are adapter names from the engine's registry only (names cannot hold commas), never a
+    request's own text; a name appears once, through its serving version.
+    """
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        info, queues, adapters = self.engine.info(), self.engine.queue_stats(), self.engine.adapters()
+        names = {a.key: a.name for a in adapters}  # the registry: the only source of label values
+        yield _gauge("vllm:num_requests_running", "Requests scheduled in the engine", queues.num_running)
+        yield _gauge("vllm:num_requests_waiting", "Requests queued in the engine", queues.num_waiting)
+        used = queues.kv_blocks_used / queues.kv_blocks_total if queues.kv_blocks_total else 0.0
+        yield _gauge("vllm:kv_cache_usage_perc", "KV cache blocks in use, as a fraction (0 to 1)", used)
+        lora = GaugeMetricFamily("vllm:lora_requests_info", "Adapters of running and waiting requests; the "
+                                 "value is when they last changed (unix seconds)",
+                                 labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])  # fmt: skip
+        running = ",".join(sorted({names[k] for k in queues.running_adapters if k in names}))
+        waiting = ",".join(sorted({names[k] for k in queues.waiting_adapters if k in names}))
+        lora.add_metric([str(info.max_loras), running, waiting], queues.updated_at)
+        yield lora
+        cache = GaugeMetricFamily(
+            "vllm:cache_config_info", "KV cache layout", labels=["block_size", "num_gpu_blocks"]
+        )
+        cache.add_metric([str(info.kv_block_size), str(queues.kv_blocks_total)], 1)
+        yield cache
+        yield from _residency(adapters, info.max_loras)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _residency(adapters, max_loras: int):
+    loaded = GaugeMetricFamily("vllm:lora_adapter_loaded", "1 while the adapter's serving version is loaded, "
+                               "by level (gpu, cpu)", labels=["adapter_name", "level", "pinned", "rank"])  # fmt: skip
+    for a in sorted(adapters, key=lambda a: a.name):
+        if a.serving and a.tier in LEVELS:
+            loaded.add_metric([a.name, LEVELS[a.tier], str(a.pinned).lower(), str(a.rank)], 1)
+    yield loaded
+    on_gpu = sum(1 for a in adapters if a.tier == "gpu")  # every version takes a slot, serving or not
+    yield _gauge("vllm:num_gpu_loaded_lora_adapters", "Adapter versions resident on the GPU", on_gpu)
+    yield _gauge(
+        "vllm:max_gpu_lora_adapters", "Adapters the GPU holds at once (at the largest rank)", max_loras
+    )

@@ -17,9 +17,11 @@ from loraplane.http.checks import (
     chat_prompt,
     completion_prompt,
     fit_max_tokens,
+    prompt_text,
     refuse_unsupported,
     sampling_params,
 )
+from loraplane.http.choices import Choices, HeldTicket, child_sampling
 from loraplane.http.errors import SERVER_ERROR, APIError, from_engine_value_error, too_many_requests
 from loraplane.http.limits import LimitExceeded
 from loraplane.http.models import Target, model_not_found
@@ -30,22 +32,17 @@ from loraplane.http.protocol import (
     Completion,
     CompletionChoice,
     CompletionRequest,
+    ModelCard,
     ModelList,
     ResponseMessage,
+    StreamOptions,
     new_id,
     now,
 )
+from loraplane.http.renderers import ChatStream, CompletionStream, Head, Streams
 from loraplane.http.runs import RequestFailed, Run
 from loraplane.http.state import ServerState, require_api_key, server_state
-from loraplane.http.streaming import (
-    ChatStream,
-    CompletionStream,
-    TokenTexts,
-    chat_logprobs,
-    collect,
-    completion_logprobs,
-    sse,
-)
+from loraplane.http.streaming import TokenTexts, Usages, chat_logprobs, collect, completion_logprobs, sse
 
 router = APIRouter()
 
@@ -60,6 +57,21 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = (
 async def list_models(request: Request, principal: Principal = Depends(require_api_key)) -> ModelList:
     state = server_state(request)
     return ModelList(data=state.models.cards(state.engine, principal))
+
+
+@router.get("/models/{model_id:path}")
+async def retrieve_model(
+    model_id: str, request: Request, principal: Principal = Depends(require_api_key)
+) -> ModelCard:
+    """One model as /v1/models lists it; ``name@version`` too while it is loaded. Others: 404."""
+    state = server_state(request)
+    card = next((c for c in state.models.cards(state.engine, principal) if c.id == model_id), None)
+    if card is None:
+        target = state.models.resolve(state.engine, model_id, principal)  # 404 (or 403 for the base)
+        base = state.models.base_name
+        card = ModelCard(id=model_id, created=state.models.created, root=base, parent=base,
+                         version=target.version)  # fmt: skip
+    return card
 
 
 def _served_by(target: Target, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -78,22 +90,35 @@ def _target(request: Request, state: ServerState, model: str, principal: Princip
     return target
 
 
-def _start(request: Request, state: ServerState, principal: Principal, target: Target, prompt: list[int],
-           sampling, request_id: str, prompt_param: str):  # fmt: skip
-    """Admit under the key's limits and submit; (run, outputs). Refusals come back as HTTP errors."""
+def _admit(state: ServerState, principal: Principal, prompt: list[int], max_tokens: int):
+    """Count the request in under the key's limits (once, whatever n; it reserves every choice's max_tokens)
+    or answer 429."""
     try:
-        ticket = state.limits.admit(principal, len(prompt), sampling.max_tokens)
+        return state.limits.admit(principal, len(prompt), max_tokens)
     except LimitExceeded as exc:
         state.metrics.rejected.labels("key_limit").inc()
         raise too_many_requests(exc.message, exc.retry_after_s, "rate_limit_exceeded") from None
-    tier = "gpu"
-    if target.key is not None:
-        tier = state.engine.tier_of(target.key) or "remote"
-        if tier != "gpu":
-            state.metrics.cold_starts.labels(tier).inc()
-    run = Run(request_id, target, tier, ticket, state.metrics)
+
+
+def _choices(request: Request, state: ServerState, principal: Principal, target: Target, prompt: list[int],
+             sampling, n: int, request_id: str, prompt_param: str) -> Choices:  # fmt: skip
+    """Admit, then submit choice 0 (refusals come back as HTTP errors); Choices starts the others later."""
+    ticket = _admit(state, principal, prompt, sampling.max_tokens * n)
+    held = HeldTicket(ticket) if n > 1 else ticket  # n > 1: Choices gives the key's slot back at the end
+
+    def start(index: int, child_id: str):
+        tier = "gpu"
+        if target.key is not None:
+            tier = state.engine.tier_of(target.key) or "remote"
+            if tier != "gpu":
+                state.metrics.cold_starts.labels(tier).inc()
+        run = Run(child_id, target, tier, held, state.metrics)
+        stream = state.engine.add_request(prompt, child_sampling(sampling, index), request_id=child_id,
+                                          adapter=target.key)  # fmt: skip
+        return run.outputs(stream)
+
     try:
-        stream = state.engine.add_request(prompt, sampling, request_id=request_id, adapter=target.key)
+        choices = Choices(request_id, n, start, ticket if n > 1 else None)
     except AdapterError as exc:  # unloaded between resolve and submit: as if it never existed
         ticket.release()
         if exc.reason == "AdapterNotFound":
@@ -111,16 +136,23 @@ def _start(request: Request, state: ServerState, principal: Principal, target: T
         ticket.release()
         raise
     state.metrics.prompt_tokens.labels(request.state.adapter_label).inc(len(prompt))
-    return run, run.outputs(stream)
+    return choices
 
 
-async def _collect(request: Request, state: ServerState, request_id: str, outputs, prompt_param: str):
+async def _collect(request: Request, state: ServerState, choices: Choices, prompt_param: str):
     try:
-        return await collect(request, state.engine, request_id, outputs)
+        return await collect(request, state.engine, choices)
     except RequestFailed as exc:
         raise APIError(500, f"the request failed: {exc}", type=SERVER_ERROR, code="request_failed") from None
     except ValueError as exc:
         raise from_engine_value_error(exc, prompt_param) from None
+
+
+def _sse(
+    request: Request, state: ServerState, target: Target, request_id: str, choices: Choices, render: Streams
+):
+    events = sse(request, state.engine, request_id, choices, render)
+    return StreamingResponse(events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS))
 
 
 @router.post("/chat/completions")
@@ -137,24 +169,22 @@ async def chat_completions(
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = sampling_params(body, max_tokens, num_logprobs, "messages")
     request_id, created, texts = new_id("chatcmpl"), now(), TokenTexts(state.tokenizer)
-    _, outputs = _start(request, state, principal, target, prompt, sampling, request_id, "messages")
+    choices = _choices(request, state, principal, target, prompt, sampling, body.n, request_id, "messages")
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        render = ChatStream(request_id, body.model, created, include_usage, num_logprobs, texts)
-        events = sse(request, state.engine, request_id, outputs, render)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS)
-        )
-    result = await _collect(request, state, request_id, outputs, "messages")
-    logprobs = None
-    if num_logprobs is not None:
-        logprobs = chat_logprobs(result.token_ids, result.logprobs, num_logprobs, texts)
-    choice = ChatChoice(
-        message=ResponseMessage(content=result.text), logprobs=logprobs, finish_reason=result.finish_reason
-    )
-    response = ChatCompletion(
-        id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
-    )
+        options = body.stream_options or StreamOptions()
+        head = Head(request_id, body.model, created, Usages(), options.continuous_usage_stats)
+        render = Streams(head, body.n, options.include_usage,
+                         lambda i: ChatStream(head, i, num_logprobs, texts))  # fmt: skip
+        return _sse(request, state, target, request_id, choices, render)
+    results, usage = await _collect(request, state, choices, "messages")
+    answers = []
+    for index, result in enumerate(results):
+        logprobs = None
+        if num_logprobs is not None:
+            logprobs = chat_logprobs(result.token_ids, result.logprobs, num_logprobs, texts)
+        answers.append(ChatChoice(index=index, message=ResponseMessage(content=result.text), logprobs=logprobs,
+                                  finish_reason=result.finish_reason, stop_reason=result.stop_reason))  # fmt: skip
+    response = ChatCompletion(id=request_id, created=created, model=body.model, choices=answers, usage=usage)
     return JSONResponse(response.model_dump(), headers=_served_by(target))
 
 
@@ -165,7 +195,8 @@ async def completions(
     state = server_state(request)
     target = _target(request, state, body.model, principal)
     refuse_unsupported(body, state.vocab_size)
-    prompt = completion_prompt(state.tokenizer, state.vocab_size, body.prompt)
+    add_special = body.add_special_tokens is not False
+    prompt = completion_prompt(state.tokenizer, state.vocab_size, body.prompt, add_special)
     max_tokens = fit_max_tokens(
         state.max_model_len,
         len(prompt),
@@ -175,21 +206,22 @@ async def completions(
         "prompt",
     )
     sampling = sampling_params(body, max_tokens, body.logprobs, "prompt")
+    echo = prompt_text(state.tokenizer, body.prompt) if body.echo else ""
     request_id, created, texts = new_id("cmpl"), now(), TokenTexts(state.tokenizer)
-    _, outputs = _start(request, state, principal, target, prompt, sampling, request_id, "prompt")
+    choices = _choices(request, state, principal, target, prompt, sampling, body.n, request_id, "prompt")
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        render = CompletionStream(request_id, body.model, created, include_usage, body.logprobs, texts)
-        events = sse(request, state.engine, request_id, outputs, render)
-        return StreamingResponse(
-            events, media_type="text/event-stream", headers=_served_by(target, _SSE_HEADERS)
-        )
-    result = await _collect(request, state, request_id, outputs, "prompt")
-    logprobs = None
-    if body.logprobs is not None:
-        logprobs = completion_logprobs(result.token_ids, result.logprobs, body.logprobs, texts)
-    choice = CompletionChoice(text=result.text, logprobs=logprobs, finish_reason=result.finish_reason)
-    response = Completion(
-        id=request_id, created=created, model=body.model, choices=[choice], usage=result.usage
-    )
+        options = body.stream_options or StreamOptions()
+        head = Head(request_id, body.model, created, Usages(), options.continuous_usage_stats)
+        render = Streams(head, body.n, options.include_usage,
+                         lambda i: CompletionStream(head, i, body.logprobs, texts, echo))  # fmt: skip
+        return _sse(request, state, target, request_id, choices, render)
+    results, usage = await _collect(request, state, choices, "prompt")
+    answers = []
+    for index, result in enumerate(results):
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(result.token_ids, result.logprobs, body.logprobs, texts)
+        answers.append(CompletionChoice(index=index, text=echo + result.text, logprobs=logprobs,
+                                        finish_reason=result.finish_reason, stop_reason=result.stop_reason))  # fmt: skip
+    response = Completion(id=request_id, created=created, model=body.model, choices=answers, usage=usage)
     return JSONResponse(response.model_dump(), headers=_served_by(target))

@@ -1,8 +1,9 @@
 """OpenAI wire format: request bodies (validated by pydantic) and response bodies.
 
-Requests ignore fields we do not know (new OpenAI clients send new optional fields), but a known field that
-asks for something we cannot do (n > 1, tools, penalties) is refused by the route with a 400 naming it.
-Extensions borrowed from vLLM: ``top_k``, ``ignore_eos``.
+Nothing a client sends is silently ignored. Every field of OpenAI's chat and completions schemas and of
+vLLM's extensions is declared here: the ones the engine honours with their types and bounds, the others as
+``Any`` so that checks.refuse_unsupported can refuse them by name when they ask for something (a value other
+than "not set" or the default). A field nobody defines is refused too (400 ``unknown field``), as OpenAI does.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _has_lone_surrogate(value: Any) -> bool:
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     @field_validator("*")
     @classmethod
@@ -64,6 +65,8 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM: usage so far on every chunk
+    include_obfuscation: Any = None  # refused when true: chunks carry no obfuscation padding
 
 
 class _SamplingFields(_Request):
@@ -84,7 +87,43 @@ class _SamplingFields(_Request):
         dict[str, Annotated[float, Field(strict=True, allow_inf_nan=False, ge=-100, le=100)]] | None
     ) = None
     ignore_eos: Bool = False
-    user: str | None = None
+    user: str | None = None  # a label for the caller's own records: no effect on the output
+    # vLLM's sampling extensions
+    min_p: Float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: Float | None = Field(default=None, gt=0.0, le=2.0)
+    min_tokens: Int = Field(default=0, ge=0, le=TOKEN_LIMIT)
+    stop_token_ids: list[TokenId] | None = None
+    # Declared so that they are refused by name when set (checks.REFUSED says which values pass).
+    best_of: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    spaces_between_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    add_special_tokens: Bool | None = (
+        None  # vLLM: the tokenizer's own special tokens (chat: false, else true)
+    )
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    structural_tag: Any = None
+    structured_outputs: Any = None
+    priority: Any = None
+    request_id: Any = None
+    logits_processors: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
 
 
 class TextPart(_Request):
@@ -96,6 +135,13 @@ class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # An assistant message as the client received it may carry these as null; set, they are refused.
+    tool_calls: Any = None
+    tool_call_id: Any = None
+    function_call: Any = None
+    refusal: Any = None
+    audio: Any = None
+    annotations: Any = None
 
     def text(self) -> str:
         if self.content is None:
@@ -111,9 +157,33 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: TokenCount | None = None
     logprobs: Bool = False
     top_logprobs: TopLogprobs | None = None
-    tools: list[Any] | None = None
+    metadata: dict[str, str] | None = None  # labels for the caller's records: no effect on the output
+    safety_identifier: str | None = None  # likewise
+    prompt_cache_key: str | None = None  # likewise (the prefix cache works on content, whatever the key)
+    add_generation_prompt: Bool = True  # vLLM: end the prompt with the template's assistant header
+    continue_final_message: Bool = False  # vLLM: go on writing the last (assistant) message
+    # Refused by name when set (checks.REFUSED):
+    tools: Any = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    prompt_cache_options: Any = None
+    prompt_cache_retention: Any = None
+    reasoning_effort: Any = None
+    service_tier: Any = None
+    store: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    echo: Any = None  # vLLM: repeat the last message
+    documents: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    mm_processor_kwargs: Any = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -122,8 +192,8 @@ class CompletionRequest(_SamplingFields):
     max_tokens: TokenCount | None = None
     logprobs: TopLogprobs | None = None
     echo: Bool = False
-    best_of: Int | None = Field(default=None, ge=1, le=128)
-    suffix: str | None = None
+    suffix: Any = None  # refused when set
+    prompt_embeds: Any = None  # vLLM; refused when set
 
 
 # --- responses ------------------------------------------------------------------------------------------------
@@ -165,6 +235,7 @@ class ChatChoice(BaseModel):
     message: ResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM: the stop token id or stop string that ended it
 
 
 class ChatCompletion(BaseModel):
@@ -181,6 +252,7 @@ class ChatChunkChoice(BaseModel):
     delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, then {} with the finish reason
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -204,6 +276,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None
 
 
 class Completion(BaseModel):

@@ -62,13 +62,19 @@ def liveness(state: ServerState) -> JSONResponse:
 
 
 def require_api_key(request: Request) -> Principal:
+    """The caller the app's ApiKeyGate let in (it refused everyone else before any body was read)."""
     state = server_state(request)
-    if state.api_keys is None:
+    principal = getattr(request.state, "principal", None)
+    if principal is None and state.api_keys is None:
         principal = OPEN
-    else:
+    elif principal is None:  # an app mounted without the gate
         principal = state.api_keys.authenticate(request.headers.get("authorization"))
         if principal is None:
-            raise APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                           type=AUTHENTICATION, code="invalid_api_key")  # fmt: skip
+            raise invalid_api_key()
     request.state.key_name = principal.name
     return principal
+
+
+def invalid_api_key() -> APIError:
+    return APIError(401, "missing or invalid API key (send Authorization: Bearer <key>)", type=AUTHENTICATION,
+                    code="invalid_api_key")  # fmt: skip

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -20,13 +20,10 @@ from fastapi import Request
 from loraplane.engine.api import OverloadedError
 from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.engine.core.errors import EngineDeadError
+from loraplane.http.choices import Choices
 from loraplane.http.errors import SERVER_ERROR, APIError, engine_stopped, too_many_requests
 from loraplane.http.protocol import (
-    ChatChunkChoice,
-    ChatCompletionChunk,
     ChatLogprobs,
-    Completion,
-    CompletionChoice,
     CompletionLogprobs,
     TokenLogprob,
     TopLogprob,
@@ -41,12 +38,15 @@ log = logging.getLogger("loraplane.http")
 
 
 @contextlib.asynccontextmanager
-async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_id: str):
+async def abort_on_disconnect(request: Request, engine: AsyncEngine, request_ids: list[str]):
+    """``request_ids``: the engine requests started so far (the list grows as a request's choices start)."""
+
     async def watch() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        log.info("client left; aborting %s", request_id)
-        engine.abort(request_id)
+        log.info("client left; aborting %s", ", ".join(request_ids))
+        for request_id in list(request_ids):
+            engine.abort(request_id)
 
     watcher = asyncio.create_task(watch())
     try:
@@ -62,49 +62,77 @@ def usage_of(out: RequestOutput) -> Usage:
     )
 
 
+def shown_tokens(out: RequestOutput) -> tuple[list[int], list[dict[int, float]]]:
+    """The output's new token ids and logprobs, without a stop token that ended it (end of sequence or
+    stop_token_ids): its text is not in the answer, so logprobs do not list it either (as OpenAI and vLLM)."""
+    ids, logprobs = out.new_token_ids, out.logprobs or []
+    if out.finished and isinstance(out.stop_reason, int) and ids and ids[-1] == out.stop_reason:
+        return ids[:-1], logprobs[: len(ids) - 1]
+    return ids, logprobs
+
+
 @dataclass(slots=True)
 class Generation:
     """One finished request, collected."""
 
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # without a final stop token
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None
     usage: Usage | None = None
 
     def add(self, out: RequestOutput) -> None:
+        ids, logprobs = shown_tokens(out)
         self.text += out.text
-        self.token_ids += out.new_token_ids
-        self.logprobs += out.logprobs or []
+        self.token_ids += ids
+        self.logprobs += logprobs
         self.finish_reason = out.finish_reason
+        self.stop_reason = out.stop_reason
         self.usage = usage_of(out)
 
 
-async def collect(
-    request: Request, engine: AsyncEngine, request_id: str, outputs: AsyncIterator[RequestOutput]
-) -> Generation:
-    result = Generation()
-    async with abort_on_disconnect(request, engine, request_id):
-        async for out in outputs:
-            result.add(out)
-    return result
+class Usages:
+    """The usage of a request's choices so far: its prompt once, their completions summed (as OpenAI)."""
+
+    def __init__(self) -> None:
+        self.prompt = 0
+        self.completions: dict[int, int] = {}
+
+    def add(self, index: int, out: RequestOutput) -> None:
+        self.prompt = out.num_prompt_tokens
+        self.completions[index] = out.num_output_tokens
+
+    def usage(self) -> Usage:
+        completion = sum(self.completions.values())
+        return Usage(
+            prompt_tokens=self.prompt, completion_tokens=completion, total_tokens=self.prompt + completion
+        )
+
+
+async def collect(request: Request, engine: AsyncEngine, choices: Choices) -> tuple[list[Generation], Usage]:
+    results = [Generation() for _ in range(choices.n)]
+    usages = Usages()
+    async with abort_on_disconnect(request, engine, choices.started):
+        async for index, out in choices:
+            results[index].add(out)
+            usages.add(index, out)
+    return results, usages.usage()
 
 
 async def sse(
-    request: Request,
-    engine: AsyncEngine,
-    request_id: str,
-    outputs: AsyncIterator[RequestOutput],
-    render: Callable[[RequestOutput | None], list[str]],
+    request: Request, engine: AsyncEngine, request_id: str, choices: Choices, render
 ) -> AsyncIterator[str]:
-    """``data: {json}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` last. render(None) gives the opening chunks."""
-    async with abort_on_disconnect(request, engine, request_id):
+    """``data: {json}\n\n`` per chunk, ``data: [DONE]\n\n`` last; ``render`` is a renderers.Streams."""
+    async with abort_on_disconnect(request, engine, choices.started):
         try:
-            for chunk in render(None):
+            for chunk in render.open():
                 yield f"data: {chunk}\n\n"
-            async for out in outputs:
-                for chunk in render(out):
+            async for index, out in choices:
+                for chunk in render(index, out):
                     yield f"data: {chunk}\n\n"
+            for chunk in render.close():
+                yield f"data: {chunk}\n\n"
         except Exception as exc:  # the status line is long gone: report in-band, as OpenAI does
             yield f"data: {json.dumps(in_band_error(request_id, exc).body().model_dump())}\n\n"
     yield "data: [DONE]\n\n"
@@ -179,67 +207,3 @@ def completion_logprobs(
     return CompletionLogprobs(
         tokens=tokens, token_logprobs=token_logprobs, top_logprobs=tops, text_offset=offsets
     )
-
-
-# --- stream renderers ---------------------------------------------------------------------------------------
-@dataclass(slots=True)
-class ChatStream:
-    id: str
-    model: str
-    created: int
-    include_usage: bool
-    num_logprobs: int | None  # None: no logprobs
-    texts: TokenTexts
-
-    def _chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
-        return ChatCompletionChunk(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        ).model_dump_json()
-
-    def __call__(self, out: RequestOutput | None) -> list[str]:
-        if out is None:
-            return [self._chunk([ChatChunkChoice(delta={"role": "assistant", "content": ""})])]
-        chunks = []
-        logprobs = None
-        if self.num_logprobs is not None and out.logprobs:
-            logprobs = chat_logprobs(out.new_token_ids, out.logprobs, self.num_logprobs, self.texts)
-        if out.text or logprobs is not None:
-            chunks.append(self._chunk([ChatChunkChoice(delta={"content": out.text}, logprobs=logprobs)]))
-        if out.finished:
-            chunks.append(self._chunk([ChatChunkChoice(delta={}, finish_reason=out.finish_reason)]))
-            if self.include_usage:
-                chunks.append(self._chunk([], usage_of(out)))
-        return chunks
-
-
-@dataclass(slots=True)
-class CompletionStream:
-    id: str
-    model: str
-    created: int
-    include_usage: bool
-    num_logprobs: int | None
-    texts: TokenTexts
-    offset: int = 0  # text_offset of the next token
-
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> str:
-        return Completion(
-            id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
-        ).model_dump_json()
-
-    def __call__(self, out: RequestOutput | None) -> list[str]:
-        if out is None:
-            return []
-        chunks = []
-        logprobs = None
-        if self.num_logprobs is not None and out.logprobs:
-            logprobs = completion_logprobs(
-                out.new_token_ids, out.logprobs, self.num_logprobs, self.texts, self.offset
-            )
-            self.offset += sum(len(t) for t in logprobs.tokens)
-        if out.text or logprobs is not None or out.finished:
-            choice = CompletionChoice(text=out.text, logprobs=logprobs, finish_reason=out.finish_reason)
-            chunks.append(self._chunk([choice]))
-        if out.finished and self.include_usage:
-            chunks.append(self._chunk([], usage_of(out)))
-        return chunks

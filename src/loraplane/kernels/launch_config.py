@@ -112,7 +112,7 @@ def _num_sms(device: torch.device) -> int:
 def pick_config(
     meta: LoRABatchMeta, in_dim: int, out_dims: tuple[int, ...], dtype: torch.dtype
 ) -> LaunchConfig:
-    """Heuristic launch shape (tuned on an H200: bench/NOTES-kernels.md). Under ``meta.capture`` it
+    """Heuristic launch shape (tuned on an H200: bench/kernels/results/kernels-sweep.md). Under ``meta.capture`` it
     depends on the buffers' capacity only, so a captured graph stays valid for any batch that fits.
     Every kernel also keeps a 16-row copy of its loops for tiles of rank <= 16."""
     sms = _num_sms(meta.device)

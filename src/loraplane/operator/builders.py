@@ -91,8 +91,9 @@ def build_admin_token_secret(base: dict, token: str | None = None) -> dict:
     }
 
 
-def server_args(spec: BaseSpec, admin_token_key_: str, api_keys: bool) -> list[str]:
-    """The command line of ``loraplane serve`` (the contract with the server, docs/operator.md)."""
+def server_args(spec: BaseSpec, admin_token_key_: str, api_keys: bool, routing: bool = False) -> list[str]:
+    """The command line of ``loraplane serve`` (the contract with the server, docs/operator.md). ``routing``:
+    the public port also serves the metrics the endpoint picker scrapes (docs/routing.md)."""
     eng = spec.engine
     args = [
         "serve",
@@ -118,6 +119,8 @@ def server_args(spec: BaseSpec, admin_token_key_: str, api_keys: bool) -> list[s
         args.append(f"--trusted-keys-dir={TRUSTED_KEYS_DIR}")
     if api_keys:
         args.append(f"--api-keys-file={API_KEYS_DIR}/api-keys.yaml")
+    if routing:
+        args.append("--routing-metrics")
     return args
 
 
@@ -192,13 +195,15 @@ def _probe(path: str, period: int, failures: int) -> dict:
     }
 
 
-def build_pod_template(base: dict, spec: BaseSpec, image: str | None = None) -> dict:
+def build_pod_template(base: dict, spec: BaseSpec, image: str | None = None, routing: bool = False) -> dict:
     """``image``: the one the operator's policy chose (a pinned image), else ``spec.image``."""
     volumes, mounts = _volumes(base, spec)
     container = {
         "name": CONTAINER,
         "image": image or spec.image,
-        "args": server_args(spec, admin_token_key(spec), api_keys=bool(spec.api_keys_secret)),
+        "args": server_args(
+            spec, admin_token_key(spec), api_keys=bool(spec.api_keys_secret), routing=routing
+        ),
         "ports": [
             {"name": "http", "containerPort": OPENAI_PORT, "protocol": "TCP"},
             {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
@@ -246,7 +251,7 @@ def template_hash(template: dict) -> str:
     return hashlib.sha256(canonical).hexdigest()[:16]
 
 
-def build_deployment(base: dict, spec: BaseSpec, image: str | None = None) -> dict:
+def build_deployment(base: dict, spec: BaseSpec, image: str | None = None, routing: bool = False) -> dict:
     name = base["metadata"]["name"]
     return {
         "apiVersion": "apps/v1",
@@ -257,7 +262,7 @@ def build_deployment(base: dict, spec: BaseSpec, image: str | None = None) -> di
             "selector": {"matchLabels": selector(name)},
             # GPU pools rarely hold a spare GPU for a surge pod: replace one pod at a time, which always progresses.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            "template": build_pod_template(base, spec, image),
+            "template": build_pod_template(base, spec, image, routing),
         },
     }
 

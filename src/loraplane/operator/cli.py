@@ -82,6 +82,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="IMAGE",
         help="pin every server pod to IMAGE; LoRABases may leave spec.image empty or name it",
     )
+    run.add_argument(
+        "--gateway-inference-extension",
+        action="store_true",
+        help="write an InferencePool per LoRABase and an InferenceModelRewrite per LoRAAdapter where the "
+        "Gateway API Inference Extension's CRDs are served (docs/routing.md)",
+    )
     run.add_argument("--verbose", action="store_true")
     sub.add_parser("crds", help="write or check the CRD YAML: crds --write DIR | --check DIR")
     return parser  # fmt: skip
@@ -104,6 +110,7 @@ def run(args) -> int:
         Kube(load_api_client(args.kubeconfig, args.context)),
         Tunables(drift_interval=args.drift_interval),
         policy=policy_of(args),
+        routing=args.gateway_inference_extension,
     )
     kopf.run(
         registry=kopf.get_default_registry(),

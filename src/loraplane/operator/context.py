@@ -46,6 +46,7 @@ class Context:
     tunables: Tunables = field(default_factory=Tunables)
     admin: AdminClient | None = None
     policy: OperatorPolicy = field(default_factory=OperatorPolicy)  # what a LoRABase may ask for
+    routing: bool = False  # write the Gateway API Inference Extension's objects where its CRDs are served
     validations: SharedResults = field(default_factory=SharedResults)  # key -> VerifiedManifest
     s3_clients: Memo = field(default_factory=Memo)  # (endpoint, region, credentials hash) -> boto3 client
     snapshots: Snapshots = field(default_factory=Snapshots)  # PodAddress -> its adapter listing

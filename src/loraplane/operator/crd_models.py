@@ -330,6 +330,27 @@ class Rollout(ApiModel):
                                  description="Pods loading the new version at once.")  # fmt: skip
 
 
+class Placement(ApiModel):
+    """On how many of the base's ready pods the adapter is loaded (default: all of them)."""
+
+    RULES = (
+        Rule("!(has(self.replicas) && has(self.share))", "set replicas or share, not both",
+             lambda p: p.replicas is None or p.share is None),
+    )  # fmt: skip
+    replicas: int | None = Field(None, ge=1, le=MAX_REPLICAS,
+                                 description="Pods that load it (at most the ready pods of the base).")  # fmt: skip
+    share: int | None = Field(None, ge=1, le=100, description="Percent of the base's ready pods that load "
+                              "it, rounded up (at least one pod).")  # fmt: skip
+
+    def pods(self, ready: int) -> int:
+        """How many of ``ready`` pods load the adapter."""
+        if self.replicas is not None:
+            return min(self.replicas, ready)
+        if self.share is not None:
+            return min(ready, max(1, -(-ready * self.share // 100)))
+        return ready
+
+
 class LoRAAdapterSpec(ApiModel):
     """Desired state of one LoRA adapter on every pod of a LoRABase."""
 
@@ -339,6 +360,7 @@ class LoRAAdapterSpec(ApiModel):
                          description="Human version label; the manifest digest is the identity.")  # fmt: skip
     residency: Residency = Field(default_factory=Residency)
     rollout: Rollout = Field(default_factory=Rollout)
+    placement: Placement = Field(default_factory=Placement)
 
     base = property(lambda self: self.base_ref.name)
     uri = property(lambda self: self.source.uri)

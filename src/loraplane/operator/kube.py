@@ -68,9 +68,11 @@ def is_subset(want, have) -> bool:
 class Kube:
     """Async facade over one ``kubernetes.client.ApiClient`` (built from an explicit configuration)."""
 
-    def __init__(self, api: kubernetes.client.ApiClient):
+    def __init__(self, api: kubernetes.client.ApiClient, discovery_ttl: float = 60.0):
         self.api = api
         self._secret_cache: dict[tuple[str, str], tuple[float, tuple[dict, dict]]] = {}
+        self._discovery: dict[str, tuple[float, frozenset[str]]] = {}  # group/version -> (when, plurals)
+        self.discovery_ttl = discovery_ttl
 
     # --- raw calls ---------------------------------------------------------------------------------
     def _call(
@@ -106,6 +108,21 @@ class Kube:
     async def list(self, ref: Ref, label_selector: str | None = None) -> list[dict]:
         query = [("labelSelector", label_selector)] if label_selector else []
         return (await self.call("GET", ref.path(), query=query)).get("items", [])
+
+    async def serves(self, api_version: str, plural: str) -> bool:
+        """Does the API serve ``plural`` in ``group/version`` (API discovery, remembered ``discovery_ttl`` s)?
+        An optional integration's CRDs may come and go: absent is an answer, not an error."""
+        cached = self._discovery.get(api_version)
+        if cached is None or time.monotonic() - cached[0] >= self.discovery_ttl:
+            try:
+                found = await self.call("GET", f"/apis/{api_version}")
+                plurals = frozenset(r["name"] for r in (found or {}).get("resources", []))
+            except ApiException as exc:
+                if exc.status not in (403, 404):
+                    raise
+                plurals = frozenset()
+            cached = self._discovery[api_version] = (time.monotonic(), plurals)
+        return plural in cached[1]
 
     async def secret_data(self, namespace: str, name: str, ttl: float = 30.0) -> dict[str, str] | None:
         """A Secret's decoded data, read by name (never listed), cached briefly; None if absent."""
@@ -144,8 +161,9 @@ class Kube:
                 return False
             raise
 
-    async def apply(self, desired: dict) -> str:
-        """Make the object hold ``desired``'s fields: "created", "updated" or "unchanged"."""
+    async def apply(self, desired: dict, adopt: bool = True) -> str:
+        """Make the object hold ``desired``'s fields: "created", "updated" or "unchanged". ``adopt=False``: an
+        existing object that ``desired``'s controller does not own is left alone ("foreign")."""
         ref = ref_of(desired)
         for _ in range(CONFLICT_RETRIES):
             existing = await self.get(ref)
@@ -153,6 +171,8 @@ class Kube:
                 if existing is None:
                     await self.call("POST", Ref(ref.prefix, ref.plural, ref.namespace).path(), body=desired)
                     return "created"
+                if not adopt and not _same_controller(existing, desired):
+                    return "foreign"
                 managed = {k: desired[k] for k in ("spec", "data") if k in desired}
                 managed["metadata"] = {k: desired["metadata"][k] for k in ("labels", "ownerReferences")}
                 if is_subset(managed, existing):
@@ -175,6 +195,14 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
+
+
+def _same_controller(existing: dict, desired: dict) -> bool:
+    def controller(obj: dict) -> str | None:
+        refs = (obj.get("metadata") or {}).get("ownerReferences") or []
+        return next((r.get("uid") for r in refs if r.get("controller")), None)
+
+    return controller(existing) is not None and controller(existing) == controller(desired)
 
 
 def _replaced(existing: dict, desired: dict) -> dict:

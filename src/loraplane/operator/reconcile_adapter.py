@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 from loraplane.operator import conditions as C
-from loraplane.operator import metrics
+from loraplane.operator import metrics, placement, routing
 from loraplane.operator import rollout as R
 from loraplane.operator.adapter_verdict import (
     Verdict,
@@ -198,8 +198,10 @@ async def run_pass(
         verdict.fail(exc.reason, exc.message, validated=C.UNKNOWN if exc.transient else C.FALSE)
         return verdict, await restore(ctx, adapter, spec, pods, token)
     rank = max(verified.manifest.ranks.values(), default=0)
-    verdict.fields.update(validatedDigest=verified.digest, rank=rank, desiredPods=base_spec.replicas)
+    desired = spec.placement.pods(base_spec.replicas)
+    verdict.fields.update(validatedDigest=verified.digest, rank=rank, desiredPods=desired)
     verdict.set(C.VALIDATED, C.TRUE, C.VALID, f"signed by {verified.key_id}, {verified.digest}, rank {rank}")
+    await name_in_pool(ctx, adapter, spec.base)
     if not pods:
         state, reason = (C.FALSE, C.BASE_NOT_READY) if base_spec.replicas else (C.TRUE, C.ALL_PODS_SERVING)
         for type_ in (C.CACHED, C.WARMED, C.READY):
@@ -209,6 +211,8 @@ async def run_pass(
         return verdict, views
     target = R.Target(meta["name"], spec.version, verified.digest)
     request = LoadRequest(spec.uri, spec.version, verified.digest, spec.pin, spec.warm)
+    pods, elsewhere = place(meta["name"], spec, pods)
+    await release(ctx, elsewhere, token, target.name)
     views = await observe(ctx, pods, token, target.name, shared=True)
     if converged(views, target):  # the common case, a drift check that finds nothing to do
         errors, pending = {}, False
@@ -220,8 +224,28 @@ async def run_pass(
         _touched(ctx, pods)
         views = await observe(ctx, pods, token, target.name)
     views = [R.PodView(v.address, v.loaded, errors.get(v.name) or v.error) for v in views]
-    summarize(verdict, views, target, base_spec.replicas, errors, pending)
+    summarize(verdict, views, target, desired, errors, pending)
     return verdict, views
+
+
+def place(name: str, spec: AdapterSpec, pods: list[PodAddress]) -> tuple[list[PodAddress], list[PodAddress]]:
+    """(the ready pods that load the adapter, the others)."""
+    chosen = placement.choose(name, pods, spec.placement.pods(len(pods)))
+    return chosen, [p for p in pods if p not in chosen]
+
+
+async def release(ctx: Context, pods: list[PodAddress], token: str, name: str) -> None:
+    """Unload the adapter from pods it is not placed on (after its placement shrank, or pods came)."""
+    holding = [v.address for v in await observe(ctx, pods, token, name, shared=True) if v.of(name)]
+    if holding:
+        await _act(ctx, holding, lambda p: ctx.admin.unload(p, token, name))
+        _touched(ctx, holding)
+
+
+async def name_in_pool(ctx: Context, adapter: dict, base_name: str) -> None:
+    """A validated adapter's model name in its base's InferencePool, where the API serves that kind."""
+    if ctx.routing and await ctx.kube.serves(routing.REWRITE_VERSION, routing.REWRITE_PLURAL):
+        await ctx.kube.apply(routing.build_model_rewrite(adapter, base_name), adopt=False)
 
 
 async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[PodAddress]) -> float:

@@ -11,7 +11,7 @@ import asyncio
 
 from loraplane.operator import builders as B
 from loraplane.operator import conditions as C
-from loraplane.operator import metrics
+from loraplane.operator import metrics, routing
 from loraplane.operator.admin_client import AdminError, PodAddress
 from loraplane.operator.context import Context
 from loraplane.operator.crd_models import BASE_PLURAL, BaseSpec, SpecError
@@ -27,9 +27,18 @@ async def apply_objects(ctx: Context, base: dict, spec: BaseSpec, image: str | N
     changed = []
     if spec.admin_token is None and await ctx.kube.create_if_absent(B.build_admin_token_secret(base)):
         changed.append(f"Secret/{base['metadata']['name']}-admin-token")
-    for obj in (B.build_deployment(base, spec, image), B.build_service(base), B.build_admin_service(base)):
+    objects = [
+        B.build_deployment(base, spec, image, ctx.routing),
+        B.build_service(base),
+        B.build_admin_service(base),
+    ]
+    for obj in objects:
         if await ctx.kube.apply(obj) != "unchanged":
             changed.append(f"{obj['kind']}/{obj['metadata']['name']}")
+    if ctx.routing and await ctx.kube.serves(routing.POOL_VERSION, routing.POOL_PLURAL):
+        pool = routing.build_inference_pool(base)  # one made by someone else (GIE's chart) stays theirs
+        if await ctx.kube.apply(pool, adopt=False) in ("created", "updated"):
+            changed.append(f"InferencePool/{pool['metadata']['name']}")
     return changed
 
 

@@ -76,7 +76,8 @@ def build_app(options: ServeOptions):
     try:
         _check_base_hash(options, engine.info().base_hash)
         metrics = Metrics(options.metrics_adapter_labels)
-        app = create_app(engine, tokenizer, options.model_name, api_keys, metrics=metrics)
+        app = create_app(engine, tokenizer, options.model_name, api_keys, metrics=metrics,
+                         routing_metrics=options.routing_metrics)  # fmt: skip
         app.state.options = options
         app.state.trusted_keys = trusted_keys(options)
     except BaseException:
@@ -103,9 +104,10 @@ def trusted_keys(options: ServeOptions) -> dict[str, bytes]:
 
 
 async def prepare(app) -> None:
-    """Before serving: load and route the local adapters (``--adapter name=DIR[:pin]``). Each is parsed
-    (validated) into the host tier, whose limit sends the least recently used back to disk; it is warmed to
-    the GPU while the pools have free room, and only a pinned one must fit there."""
+    """Before serving: register and route the local adapters (``--adapter name=DIR[:pin]``). An unpinned one
+    is registered on the disk tier (its config and header read; its signature or shapes checked by
+    ``open_local_folder``) and warmed to the GPU while the pools have free room; the others load when a
+    request needs them. A pinned one is parsed now and must fit the GPU pools."""
     from loraplane.artifacts.errors import ArtifactError
     from loraplane.engine.api import AdapterError
     from loraplane.serve.sources import open_local_folder
@@ -119,7 +121,7 @@ async def prepare(app) -> None:
             local = await asyncio.to_thread(open_local_folder, Path(folder), keys or None, state.info)
             pin = name in options.pinned_adapters
             await state.engine.load_adapter(name, local.version, local.path, local.digest, pin=pin,
-                                            expected_base_hash=state.info.base_hash)  # fmt: skip
+                                            expected_base_hash=state.info.base_hash, on_disk=not pin)  # fmt: skip
             await state.engine.warm_adapter(name, local.version, gpu=True, only_if_room=not pin)
             await state.engine.set_alias(name, local.version)
         except (ArtifactError, AdapterError) as exc:

@@ -44,6 +44,7 @@ class ServeOptions:
     tensor_parallel_size: int | None = None  # processes the base is split over, one GPU each (None: 1)
     memory_mode: str | None = None  # EngineConfig.memory_mode: "split" or "unified" (None: its default)
     lora_merge: bool | None = None  # EngineConfig.lora_merge (None: its default, off)
+    routing_metrics: bool = False  # GET /metrics on the public port: the routers' families, no token
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -210,6 +211,13 @@ def add_pod_arguments(parser: argparse.ArgumentParser) -> None:
     pod.add_argument(
         "--host-cache-dir", help="existing dir: the s3:// base model and adapters are cached here"
     )
+    pod.add_argument(
+        "--routing-metrics",
+        action="store_true",
+        default=None,
+        help="serve the metrics routers read (queues, KV use, adapters by name) at /metrics on the public "
+        "port without a token, for the Gateway API Inference Extension's endpoint picker",
+    )
     pod.add_argument("--max-rank", type=int, help="highest LoRA rank the engine accepts")
     pod.add_argument("--gpu-adapter-bytes", type=int, help="GPU memory for adapter weights")
     pod.add_argument("--host-adapter-bytes", type=int, help="host cache budget for adapters (bytes)")
@@ -238,6 +246,7 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
             "lora_merge",
         )
     }
+    pod["routing_metrics"] = bool(getattr(args, "routing_metrics", None))
     return ServeOptions(
         model=model,
         host=args.host,

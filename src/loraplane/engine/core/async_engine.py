@@ -24,11 +24,19 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from loraplane.engine.api import MEMORY_USES, AdapterError, AdapterInfo, EngineInfo, StepStats, adapter_key
+from loraplane.engine.api import (
+    MEMORY_USES,
+    AdapterError,
+    AdapterInfo,
+    EngineInfo,
+    QueueStats,
+    StepStats,
+    adapter_key,
+)
 from loraplane.engine.core.config import EngineConfig
 from loraplane.engine.core.errors import EngineDeadError, RequestError
 from loraplane.engine.core.llm_engine import LLMEngine, RequestOutput
@@ -76,6 +84,7 @@ class AsyncEngine:
         self._adapter_of: dict[str, str] = {}  # request id -> adapter key, while the request lives
         self._step_listeners: list[Callable[[StepStats], None]] = []
         self._woken = False  # a load ended since the loop last looked (guarded by _cond)
+        self._queues = QueueStats(updated_at=time.time())  # replaced whole by the engine thread
         lora = self._lora(None)
         if lora is not None:
             lora.waker = self._wake
@@ -163,7 +172,13 @@ class AsyncEngine:
             target_modules=targets,
             device=str(runner.device),
             dtype=str(runner.dtype).removeprefix("torch."),
+            max_loras=_full_rank_slots(lora.gpu.pools) if lora is not None else 0,
+            kv_block_size=self.engine.config.block_size,
         )
+
+    def queue_stats(self) -> QueueStats:
+        """Running and waiting requests and their adapters (routers read them through the metrics)."""
+        return self._queues
 
     def adapters(self) -> list[AdapterInfo]:
         lora = self._lora(None)
@@ -179,8 +194,9 @@ class AsyncEngine:
         return None if lora is None else lora.tier_of(adapter_key_)
 
     async def load_adapter(self, name: str, version: str, folder: Path, digest: str, *, pin: bool = False,
-                           expected_base_hash: str | None = None) -> AdapterInfo:  # fmt: skip
+                           expected_base_hash: str | None = None, on_disk: bool = False) -> AdapterInfo:  # fmt: skip
         """Parse and validate a verified PEFT folder into the host tier (AdapterError on refusal).
+        ``on_disk``: register it from its config and header alone; it loads when a request needs it.
         Idempotent per name@version and digest; another digest under the same name@version is a conflict."""
         lora = self._lora("adapter")
         base = self.engine.runner.base_hash
@@ -189,7 +205,12 @@ class AsyncEngine:
                 "BaseMismatch",
                 f"{name}@{version}: built for base {expected_base_hash}, this engine serves {base}",
             )
-        if not lora.is_registered(adapter_key(name, version)):
+        registered = lora.is_registered(adapter_key(name, version))
+        if not registered and on_disk:
+            return await asyncio.to_thread(
+                lora.register_on_disk, name, version, Path(folder), digest, pin=pin
+            )
+        if not registered:
             start = time.perf_counter()
             weights = await asyncio.to_thread(lora.parse, Path(folder))
             return lora.register(name, version, Path(folder), digest, weights, pin=pin,
@@ -269,6 +290,21 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001, S110 - a listener (metrics) must never stop serving
                 pass
 
+    def _publish_queues(self) -> None:
+        """Snapshot the scheduler's queues for other threads (one reference swap; readers never lock)."""
+        scheduler, blocks = self.engine.scheduler, self.engine.scheduler.block_manager
+        queues = QueueStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+            kv_blocks_total=blocks.num_blocks,
+            running_adapters=frozenset(s.adapter for s in scheduler.running if s.adapter is not None),
+            waiting_adapters=frozenset(s.adapter for s in scheduler.waiting if s.adapter is not None),
+            updated_at=self._queues.updated_at,
+        )
+        if queues != self._queues:  # the timestamp moves only when something changed
+            self._queues = replace(queues, updated_at=time.time())
+
     def is_alive(self) -> bool:
         """True while the loop thread runs and has neither failed nor been closed (readiness probes)."""
         return self._error is None and not self._closed and self._thread.is_alive()
@@ -320,6 +356,7 @@ class AsyncEngine:
                     self._deliver(self.engine.step())
                     self._after_step()
                     idle_wait = self.engine.idle_wait_s()
+                self._publish_queues()
         except BaseException as error:  # noqa: BLE001 - every failure must reach the streams
             self._fail(error)
             return
@@ -385,6 +422,11 @@ class AsyncEngine:
             loop.call_soon_threadsafe(callback, items)
         except RuntimeError:  # that event loop is closed: nobody is left to read
             pass
+
+
+def _full_rank_slots(pools) -> int:
+    """Adapters of the largest rank the GPU pools hold at once (more fit when ranks are lower)."""
+    return min(min(p.max_adapters, p.num_pages // p.max_pages) for p in pools.values())
 
 
 def _run_call(call: _Call) -> None:

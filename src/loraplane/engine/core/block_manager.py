@@ -8,10 +8,11 @@ A later sequence whose leading blocks hash the same shares them (refcounted) ins
 A block nobody holds goes back to the free list but keeps its content and hash until it is reused: free
 blocks are taken least recently freed first, empty ones before cached ones.
 
-With a ``UnifiedMemory`` the blocks are not all KV from the start: the block manager takes a chunk of blocks
-from it when its free list runs dry, gives back (on request) chunks none of whose blocks it holds, dropping
-their cached prefixes, and ``make_room`` asks the adapter side to evict idle adapters before the scheduler
-preempts anyone.
+The blocks come from the GPU memory arbiter (memory/arbiter.py), a chunk of blocks at a time when the free
+list runs dry. The split's arbiter hands over every block as one chunk at the first allocation and never asks
+for it back. A unified memory's chunks change hands: the block manager gives back (when asked) chunks none of
+whose blocks it holds, dropping their cached prefixes, and ``make_room`` asks the adapter side to evict idle
+adapters before the scheduler preempts anyone.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from array import array
 from collections import OrderedDict
 
 from loraplane.engine.core.sequence import Sequence
-from loraplane.engine.memory.allocator import KV, UnifiedMemory
+from loraplane.engine.memory.arbiter import KV, GpuMemory, SplitMemory
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -31,8 +32,9 @@ class NoFreeBlocksError(RuntimeError):
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, watermark: float = 0.01, enable_prefix_caching: bool = False,
-        memory: UnifiedMemory | None = None,
+        memory: GpuMemory | None = None,
     ) -> None:  # fmt: skip
+        """``memory``: the arbiter the blocks come from (None: a split of ``num_blocks`` blocks)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         if block_size <= 0:
@@ -44,17 +46,16 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         # Kept free when admitting new sequences so running ones can still grow by a block without preempting.
         self.watermark_blocks = int(watermark * num_blocks)
-        if memory is not None and memory.num_blocks != num_blocks:
-            raise ValueError(
-                f"num_blocks: {num_blocks} differs from the unified memory's {memory.num_blocks}"
-            )
+        memory = memory if memory is not None else SplitMemory(num_blocks)
+        if memory.num_blocks != num_blocks:
+            raise ValueError(f"num_blocks: {num_blocks} differs from the memory's {memory.num_blocks}")
         self.memory = memory
         self.ref_counts = [0] * num_blocks
-        # taken from the front; with a unified memory, only the blocks of its KV chunks
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks if memory is None else 0))
-        if memory is not None:
-            self._chunk_used = [0] * memory.num_chunks  # held blocks per chunk
-            memory.kv_idle, memory.kv_release = self._num_idle_chunks, self._release_idle_chunks
+        self._free: OrderedDict[int, None] = (
+            OrderedDict()
+        )  # the blocks of its KV chunks; taken from the front
+        self._chunk_used = [0] * memory.num_chunks  # held blocks per chunk
+        memory.attach_kv(self)
         self._hash_of: list[bytes | None] = [None] * num_blocks  # the content a block holds, if registered
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self.prefix_queried_tokens = 0  # prompt tokens looked up at admission
@@ -62,9 +63,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free KV blocks, plus those of FREE chunks of a unified memory (KV takes them on demand)."""
-        if self.memory is None:
-            return len(self._free)
+        """Free KV blocks, plus those of the memory's FREE chunks (KV takes them on demand)."""
         return len(self._free) + self.memory.num_free_chunks * self.memory.chunk_blocks
 
     @property
@@ -138,12 +137,12 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_blocks = 0
 
-    # --- unified memory -------------------------------------------------------------------------------------
+    # --- the memory arbiter ---------------------------------------------------------------------------------
     def make_room(self, num_blocks: int, keep: frozenset = frozenset()) -> bool:
         """Whether ``num_blocks`` blocks are free, after asking the adapter side of a unified memory to evict
         idle adapters (none in ``keep``: the adapters of queued and running requests) when they are not."""
         short = num_blocks - self.num_free_blocks
-        if short > 0 and self.memory is not None:
+        if short > 0:
             chunks = -(-short // self.memory.chunk_blocks)
             self.memory.reclaim_for_kv(self.memory.num_free_chunks + chunks, keep)
         return num_blocks <= self.num_free_blocks
@@ -151,17 +150,15 @@ class BlockManager:
     def reserve_for_kv(self, num_blocks: int) -> None:
         """Keep room for ``num_blocks`` more blocks out of adapter loads' reach (a unified memory's
         ``kv_reserve_chunks``): free blocks of KV chunks in use count first, then whole chunks."""
-        if self.memory is not None:
-            c = self.memory.chunk_blocks
-            in_use = len(self._free) - self._num_idle_chunks() * c  # free blocks of chunks holding others
-            self.memory.kv_reserve_chunks = -(-max(0, num_blocks - in_use) // c)
+        c = self.memory.chunk_blocks
+        in_use = len(self._free) - self.idle_kv_chunks() * c  # free blocks of chunks holding others
+        self.memory.kv_reserve_chunks = -(-max(0, num_blocks - in_use) // c)
 
     def _held(self, block_id: int, delta: int) -> None:
-        if self.memory is not None:
-            self._chunk_used[block_id // self.memory.chunk_blocks] += delta
+        self._chunk_used[block_id // self.memory.chunk_blocks] += delta
 
     def _grow(self) -> None:
-        blocks = self.memory.take_kv_chunk() if self.memory is not None else None
+        blocks = self.memory.take_kv_chunk()
         if blocks is None:
             raise NoFreeBlocksError("no free KV block and no free chunk")
         for block_id in reversed(blocks):  # empty: taken first, lowest id first
@@ -172,10 +169,11 @@ class BlockManager:
         memory = self.memory
         return [u for u, used in enumerate(self._chunk_used) if not used and memory.kind[u] == KV]
 
-    def _num_idle_chunks(self) -> int:
+    def idle_kv_chunks(self) -> int:
+        """KV chunks none of whose blocks is held (the arbiter may ask for them back)."""
         return len(self._idle_chunks())
 
-    def _release_idle_chunks(self, count: int) -> int:
+    def release_idle_kv_chunks(self, count: int) -> int:
         """Give up to ``count`` KV chunks nobody holds a block of back to the memory (their cache is lost)."""
         released = self._idle_chunks()[::-1][:count]  # highest first: KV grows from the low end
         for chunk in released:

@@ -46,6 +46,9 @@ class RequestOutput:
     # Parallel to new_token_ids: {token_id: logprob} with the sampled token and the requested top ones.
     logprobs: list[dict[int, float]] | None = None
     error: str | None = None  # why the request failed (finish_reason 'error'); the engine goes on
+    # finish_reason 'stop': the token id (end of sequence or stop_token_ids) or the stop string that ended it.
+    # A stop token is the last of new_token_ids; its text is never part of the output.
+    stop_reason: int | str | None = None
 
 
 @dataclass(slots=True)
@@ -87,7 +90,7 @@ class LLMEngine:
             self.runner.num_kv_blocks,
             self.runner.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
-            memory=self.runner.memory,  # unified: KV blocks come from the shared arena
+            memory=self.runner.memory,  # the arbiter KV blocks come from
         )
         self.scheduler = Scheduler(
             block_manager,
@@ -119,6 +122,11 @@ class LLMEngine:
         self.scheduler.check_prompt_len(len(prompt_token_ids))
         if sampling.stop and self.tokenizer is None:
             raise ValueError("SamplingParams.stop: stop strings need an engine built with a tokenizer")
+        bad = next((t for t, _ in sampling.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise ValueError(
+                f"SamplingParams.logit_bias: token id {bad} is outside the vocabulary [0, {vocab_size})"
+            )
         if sampling.top_k > vocab_size:
             raise ValueError(
                 f"SamplingParams.top_k: must be at most the vocabulary size {vocab_size}, got {sampling.top_k}"
@@ -151,8 +159,9 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         if self.tokenizer is not None:
+            stop = sampling.stop if not sampling.min_tokens else ()  # see _finish_reason
             self._detokenizers[seq.seq_id] = IncrementalDetokenizer(
-                self.tokenizer, seq.prompt_token_ids, stop=sampling.stop
+                self.tokenizer, seq.prompt_token_ids, stop=stop
             )
         return seq
 
@@ -204,7 +213,7 @@ class LLMEngine:
             num_cached_kv_blocks=blocks.num_cached_blocks,
             prefix_cache_queried_tokens=blocks.prefix_queried_tokens,
             prefix_cache_hit_tokens=blocks.prefix_hit_tokens,
-            unified_memory=blocks.memory.stats(blocks.num_used_blocks) if blocks.memory is not None else None,
+            unified_memory=blocks.memory.stats(blocks.num_used_blocks),  # None in the split
         )
 
     # --- the loop -------------------------------------------------------------------------------------------
@@ -317,12 +326,24 @@ class LLMEngine:
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         sampling = seq.sampling
+        detokenizer = self._detokenizers.get(seq.seq_id)
+        if seq.num_output_tokens < sampling.min_tokens:  # as vLLM: nothing but the length ends it yet
+            if detokenizer is not None:
+                detokenizer.add_token(token_id)  # its stop strings are off until then (add_request)
+            return "length" if seq.num_tokens >= self.max_model_len else None
         if token_id in sampling.stop_token_ids or (
             not sampling.ignore_eos and token_id in self.eos_token_ids
         ):
+            seq.stop_reason = token_id
             return "stop"  # the stop token's text is never part of the output
-        detokenizer = self._detokenizers.get(seq.seq_id)
+        if (
+            detokenizer is not None
+            and sampling.min_tokens
+            and seq.num_output_tokens == sampling.min_tokens + 1
+        ):
+            detokenizer.watch(sampling.stop)  # stop strings count once the output is past min_tokens
         if detokenizer is not None and detokenizer.add_token(token_id):
+            seq.stop_reason = detokenizer.stopped_on
             return "stop"
         if seq.num_output_tokens >= sampling.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
@@ -356,6 +377,7 @@ class LLMEngine:
             num_output_tokens=seq.num_output_tokens,
             logprobs=logprobs,
             error=seq.error,
+            stop_reason=seq.stop_reason,
         )
 
     # --- offline convenience ----------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from loraplane.engine.core.scheduler import ScheduledBatch
     from loraplane.engine.lora.manager import AdapterTiers
     from loraplane.engine.lora.residency import AdapterResidency
-    from loraplane.engine.memory.allocator import UnifiedMemory
+    from loraplane.engine.memory.arbiter import GpuMemory
 
 
 class SampledToken(Protocol):
@@ -41,7 +41,7 @@ class Runner(Protocol):
     dtype: object  # str() names it: "bfloat16" (a "torch." prefix is dropped)
 
     # Optional capabilities: None when the runner has none.
-    memory: UnifiedMemory | None  # the arena KV and adapters share (memory_mode "unified")
+    memory: GpuMemory | None  # the arbiter of the KV blocks (None: a split of num_kv_blocks)
     residency: AdapterResidency | None  # what the scheduler sees of the adapters
     lora: AdapterTiers | None  # the adapters themselves (EngineConfig.enable_lora)
 

@@ -221,9 +221,10 @@ class Scheduler:
                 ready[key] = self.residency.is_ready(key)
             except Exception as error:  # noqa: BLE001 - it belongs to the requests of this adapter
                 ready[key], broken[key] = False, error
-        # Unified memory: a load must leave the KV room that the next admissions need (queued sequences of the
-        # base, of ready adapters, of adapters requested before it, and its own), as far as one step admits.
-        room = _Reserve(self) if self.block_manager.memory is not None else None
+        # When adapter loads may take KV's room (the memory says so), a load must leave the KV room that the
+        # next admissions need (queued sequences of the base, of ready adapters, of adapters requested before
+        # it, and its own), as far as one step admits.
+        room = _Reserve(self) if self.block_manager.memory.reserves_kv else None
         for key in [None, *keys] if room is not None else ():
             if ready.get(key):
                 room.add(key)

@@ -10,6 +10,7 @@ from enum import Enum, auto
 
 MAX_LOGPROBS = 20
 SEED_LIMIT = 1 << 63  # torch.Generator.manual_seed takes a signed 64-bit seed
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI
 
 
 class SequenceStatus(Enum):
@@ -43,6 +44,13 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs to return (0 -> only the sampled token's)
+    # Logits processing, as vLLM defines it (the sampler applies them per row, in this order):
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    min_tokens: int = 0  # end-of-sequence and stop_token_ids are masked until this many tokens exist
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt + output tokens
+    min_p: float = 0.0  # after temperature: drop tokens with prob < min_p * the top token's prob
 
     def __post_init__(self) -> None:
         _require(
@@ -87,9 +95,45 @@ class SamplingParams:
             f"must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
         )
 
+        self._check_processing()
+
+    def _check_processing(self) -> None:
+        self.logit_bias = tuple((t, b) for t, b in self.logit_bias)
+        _require(
+            all(
+                _is_int(t) and t >= 0 and _is_number(b) and abs(b) <= MAX_LOGIT_BIAS
+                for t, b in self.logit_bias
+            ),
+            "logit_bias",
+            f"must be (token id >= 0, bias in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]) pairs",
+        )
+        _require(
+            _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}",
+        )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(_is_number(value) and -2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value!r}")
+        _require(
+            _is_number(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            f"must be in (0, 2], got {self.repetition_penalty!r}",
+        )
+        _require(
+            _is_number(self.min_p) and 0.0 <= self.min_p <= 1.0,
+            "min_p",
+            f"must be in [0, 1], got {self.min_p!r}",
+        )
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty needs the counts of this request's prompt and output tokens."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def validate_prompt(prompt_token_ids: list[int]) -> None:
@@ -115,6 +159,7 @@ class Sequence:
         "status",
         "arrival_time",
         "finish_reason",
+        "stop_reason",
         "error",
         "num_preemptions",
         "cache_salt",
@@ -147,6 +192,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.error: str | None = None  # why it failed, when finish_reason == "error"
         self.num_preemptions = 0
         # Prefix caching: the adapter's identity salts every block hash (never the adapter's name alone);

@@ -16,6 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from loraplane.engine.lora.weights import WEIGHTS_FILE, AdapterWeights
 
 DEFAULT_WORKERS = 4
@@ -38,14 +40,21 @@ class AdapterLoader:
         *,
         workers: int = DEFAULT_WORKERS,
         max_bytes: int = DEFAULT_MAX_BYTES,
+        one_cpu_thread: bool = False,
     ) -> None:
+        """``one_cpu_thread``: each worker runs its tensor ops on one CPU thread (GPU hosts: several loads
+        at once must not start a team of intra-op threads each and crowd out the engine thread's core)."""
         if workers < 1:
             raise ValueError(f"workers: must be at least 1, got {workers}")
         if max_bytes < 1:
             raise ValueError(f"max_bytes: must be positive, got {max_bytes}")
         self.parse, self.max_bytes = parse, max_bytes
         self.on_done: Callable[[], None] | None = None
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="loraplane-adapter-load")
+        self._pool = ThreadPoolExecutor(
+            workers,
+            thread_name_prefix="loraplane-adapter-load",
+            initializer=_one_cpu_thread if one_cpu_thread else None,
+        )
         self._lock = threading.Lock()
         self._queued: OrderedDict[str, _Job] = OrderedDict()  # waiting for room, in submission order
         self._running: dict[str, _Job] = {}
@@ -115,3 +124,9 @@ class AdapterLoader:
         for job in queued:
             job.future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _one_cpu_thread() -> None:
+    # Sets this worker's OpenMP thread count; torch also takes it as the default of threads started later,
+    # which on a GPU host run no CPU-heavy tensor work.
+    torch.set_num_threads(1)

@@ -25,7 +25,7 @@ from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
 from loraplane.engine.lora.loader import AdapterLoader
 from loraplane.engine.lora.safetensors_io import Reader, read_file
 from loraplane.engine.lora.tiers import GpuTier, HostTier
-from loraplane.engine.lora.weights import AdapterWeights, load_adapter_weights
+from loraplane.engine.lora.weights import AdapterWeights, header_ranks, load_adapter_weights
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.kernels import LoRABatchMeta, LoRAPool
 
@@ -48,6 +48,7 @@ class _Version:
     loading: Future | None = None  # a disk -> host parse on the loader
     error_reason: str | None = None
     sha256: str | None = None  # of the weights file as first read: a reload must match it
+    ranks: dict[str, int] = field(default_factory=dict)  # module -> rank (what it needs in each pool)
 
 
 class AdapterTiers:
@@ -67,7 +68,7 @@ class AdapterTiers:
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
         self.read: Reader = read_file  # how weights files are read (tests inject a slow or failing one)
-        self.loader = AdapterLoader(self.parse)
+        self.loader = AdapterLoader(self.parse, one_cpu_thread=self.device.type == "cuda")
         self.loader.on_done = self._loaded
         # The serving loop's wake-up: called (on a loader thread) when a load ends, since the engine thread
         # may be blocked because every queued request waits for an adapter.
@@ -120,9 +121,28 @@ class AdapterTiers:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
             v = _Version(name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin)
             v.timings["load"] = load_s
-            v.sha256 = weights.sha256
+            v.sha256, v.ranks = weights.sha256, dict(weights.ranks)
             self.versions[key] = v
             self.host.put(key, weights, self._host_evictable)
+            return self.info(key)
+
+    def register_on_disk(self, name: str, version: str, folder: Path, digest: str, *,
+                         pin: bool = False) -> AdapterInfo:  # fmt: skip
+        """Register a version whose weights stay in ``folder`` until a request needs them (only the config
+        and the weights file's header are read now; the full checks run when it loads)."""
+        ranks = header_ranks(folder, self.model_config, max_rank=self.max_rank)
+        key = adapter_key(name, version)
+        with self.lock:
+            old = self.versions.get(key)
+            if old is not None:
+                return self.register(name, version, folder, digest, None, pin=pin)
+            for m, r in ranks.items():
+                if r > self.gpu.pools[m].num_pages:
+                    raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
+            shape = AdapterWeights(a={}, b={}, ranks=ranks)
+            v = _Version(name, version, digest, Path(folder), shape.rank, self.gpu.bytes_for(shape), pin)
+            v.ranks = ranks
+            self.versions[key] = v
             return self.info(key)
 
     def get(self, key: str) -> _Version:
@@ -185,10 +205,10 @@ class AdapterTiers:
             v.state, v.error = "failed", f"{error.reason}: {error}"
 
     def has_room_for(self, key: str) -> bool:
-        """Resident already, or its host weights fit the GPU pools without evicting anything."""
+        """Resident already, or it fits the GPU pools without evicting anything."""
         with self.lock:
-            weights = self.host.get(key)
-            return self.gpu.done(key) or (weights is not None and self.gpu.fits(weights))
+            v = self.get(key)
+            return self.gpu.done(key) or self.gpu.fits(AdapterWeights(a={}, b={}, ranks=v.ranks))
 
     def tier_of(self, key: str) -> str | None:
         with self.lock:
@@ -298,6 +318,7 @@ class AdapterTiers:
                 v.state, v.error, v.error_reason = "failed", f"{reason}: {error}", reason
                 return False
             v.timings.update({f"disk_{k}": t for k, t in weights.timings.items()})
+            v.sha256 = v.sha256 or weights.sha256  # registered on disk: its first read fixes the bytes
             self.host.put(key, weights, self._host_evictable)
         if not self.gpu.make_room(weights, self._gpu_evictable):
             return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -27,11 +28,12 @@ class SafetensorsFormatError(ValueError):
 
 
 def read_file(path: Path) -> memoryview:
-    """The whole file in one buffer (one open, one read loop; the GIL is released while the kernel copies)."""
+    """The whole file in one buffer (one open, one read loop). The buffer is allocated uninitialised (a
+    zero-filled ``bytearray`` would hold the GIL while it writes every page) and the GIL is released while
+    the kernel copies."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        buf = bytearray(size)
-        view = memoryview(buf)
+        view = memoryview(torch.empty(size, dtype=torch.uint8).numpy())
         got = 0
         while got < size:
             n = f.readinto(view[got:])
@@ -39,6 +41,43 @@ def read_file(path: Path) -> memoryview:
                 break  # the file shrank under us: the header check below names it
             got += n
     return view[:got]
+
+
+def read_file_direct(path: Path, align: int = 4096) -> memoryview:
+    """The whole file read past the page cache (O_DIRECT, into a page-aligned buffer): what a read from the
+    disk itself costs, whatever the cache holds. Linux only; benchmarks use it to time the disk tier."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    try:
+        size = os.fstat(fd).st_size
+        buf = mmap.mmap(-1, max(align, -(-size // align) * align))  # anonymous maps are page-aligned
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if not n:
+                break
+            got += n
+    finally:
+        os.close(fd)
+    return view[: min(got, size)]
+
+
+def read_header(path: Path) -> dict:
+    """The JSON header alone (a few KiB): names, dtypes and shapes without reading the data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 <= n <= MAX_HEADER_BYTES:
+            raise SafetensorsFormatError(f"header length {n} is not a safetensors header")
+        raw = f.read(n)
+    if len(raw) != n:
+        raise SafetensorsFormatError(f"header length {n} exceeds the file")
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SafetensorsFormatError(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsFormatError("header is not a JSON object")
+    return header
 
 
 Reader = Callable[[Path], memoryview]

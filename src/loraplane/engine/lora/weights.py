@@ -2,9 +2,8 @@
 
 Input: ``adapter_config.json`` + ``adapter_model.safetensors`` (never pickle). Keys look like
 ``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``; lora_A is [r, in], lora_B is [out, r].
-Unknown config keys are ignored.
-
-Scaling is exactly PEFT's (peft.tuners.lora.LoraModel._create_and_replace): for the module key
+The config's content is read by ``artifacts.peft.parse_adapter_config``, the same function ``adapter pack``
+uses. Scaling is exactly PEFT's (peft.tuners.lora.LoraModel._create_and_replace): for the module key
 ``model.layers.{i}.self_attn.q_proj`` the first ``rank_pattern`` / ``alpha_pattern`` key that matches
 ``(.*\\.)?(key)$`` gives r and alpha, else the config's ``r`` and ``lora_alpha``; scale = alpha / r, or
 alpha / sqrt(r) with ``use_rslora``. The scale is folded into B here, so the kernels apply 1.0.
@@ -18,16 +17,18 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from loraplane.artifacts.errors import BAD_MANIFEST, ArtifactError
+from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
 from loraplane.engine.api import AdapterError
-from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file
+from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file, read_header
 from loraplane.engine.model.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -36,7 +37,6 @@ _PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 TARGET_MODULES = tuple(_PARENT)  # PEFT names, in packing order
-_EMBEDDING_NAMES = ("embed_tokens", "lm_head", "wte", "word_embeddings")
 _KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.(\w+)\.(\w+))\.lora_(A|B)\.weight$")
 
 
@@ -74,73 +74,24 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}  # fmt: skip
 
 
-def read_config(folder: Path) -> dict:
-    """adapter_config.json, checked for every feature the engine does not serve (the message names it)."""
+def read_config(folder: Path) -> AdapterConfig:
+    """adapter_config.json, checked for every value and feature the engine computes with (the message names it)."""
     path = Path(folder) / CONFIG_FILE
     try:
         cfg = json.loads(path.read_text())
     except FileNotFoundError:
         raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}: missing in {folder}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}: unreadable ({exc})") from None
-    if not isinstance(cfg, dict):
-        raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}: not a JSON object")
-
-    def unsupported(key: str, why: str) -> AdapterError:
-        return AdapterError("UnsupportedAdapter", f"{CONFIG_FILE}.{key}: {why}")
-
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise unsupported("peft_type", f"{cfg.get('peft_type')!r} is not LORA")
-    if cfg.get("use_dora"):
-        raise unsupported("use_dora", "DoRA adapters are not served")
-    if cfg.get("modules_to_save"):
-        raise unsupported("modules_to_save", "full-weight modules are not served")
-    if cfg.get("fan_in_fan_out"):
-        raise unsupported("fan_in_fan_out", "transposed (Conv1D) weights are not served")
-    if cfg.get("bias", "none") != "none":
-        raise unsupported("bias", f"{cfg.get('bias')!r}: only 'none' is served")
-    if cfg.get("lora_bias"):
-        raise unsupported("lora_bias", "LoRA biases are not served")
-    targets = cfg.get("target_modules")
-    names = [targets] if isinstance(targets, str) else list(targets or [])
-    for name in names:
-        if name == "all-linear" or isinstance(targets, str):
-            continue  # a regex or all-linear: the weights file says which modules it really has
-        if name in _EMBEDDING_NAMES:
-            raise unsupported("target_modules", f"{name!r}: embedding / lm_head LoRA is not served")
-        if name not in _PARENT:
-            raise AdapterError(
-                "UnknownModule", f"{CONFIG_FILE}.target_modules: {name!r} is none of {list(TARGET_MODULES)}"
-            )
-    for key in ("r", "lora_alpha"):
-        value = cfg.get(key, 8 if key == "r" else None)
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or value <= 0
-        ):
-            raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}.{key}: {value!r} is not a positive number")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if not isinstance(cfg.get(key) or {}, dict):
-            raise AdapterError("BadAdapterFile", f"{CONFIG_FILE}.{key}: must be an object")
-    return cfg
-
-
-def pattern_value(patterns: dict, module_key: str, default: float) -> float:
-    """PEFT's get_pattern_key: the first pattern key matching ``(.*\\.)?(key)$`` wins."""
-    for key in patterns:
-        if re.match(rf"(.*\.)?({key})$", module_key):
-            return patterns[key]
-    return default
-
-
-def module_scale(cfg: dict, module_key: str) -> tuple[int, float]:
-    """(r, scale) PEFT uses for ``module_key`` (e.g. 'model.layers.0.self_attn.q_proj')."""
-    r = int(pattern_value(cfg.get("rank_pattern") or {}, module_key, cfg.get("r", 8)))
-    alpha = float(pattern_value(cfg.get("alpha_pattern") or {}, module_key, cfg.get("lora_alpha", 8)))
-    return r, alpha / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    try:
+        return parse_adapter_config(cfg)
+    except ArtifactError as exc:
+        reason = "BadAdapterFile" if exc.reason == BAD_MANIFEST else exc.reason
+        raise AdapterError(reason, f"{exc.field}: {exc.message}") from None
 
 
 def _refuse_key(key: str) -> AdapterError:
-    if "lora_embedding" in key or any(f".{n}." in key for n in _EMBEDDING_NAMES):
+    if "lora_embedding" in key or any(f".{n}." in key for n in EMBEDDING_NAMES):
         return AdapterError("UnsupportedAdapter", f"{WEIGHTS_FILE}: tensor {key!r}: embedding / lm_head LoRA")
     if "lora_magnitude_vector" in key:
         return AdapterError("UnsupportedAdapter", f"{WEIGHTS_FILE}: tensor {key!r}: DoRA magnitude")
@@ -180,21 +131,33 @@ def load_adapter_weights(
         raise AdapterError(
             "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
         ) from None
-    digest = "sha256:" + hashlib.sha256(buf).hexdigest()  # releases the GIL over the buffer
-    timings["hash"] = (t2 := time.perf_counter()) - t1
+    hashing = _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
+    try:
+        factors = _factors(tensors, config, cfg, max_rank)
+        out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, pin)
+        _check_finite(out, factors)
+    finally:
+        timings["stack"] = time.perf_counter() - t1
+        digest, timings["hash"] = hashing.result()
     if sha256 is not None and digest != sha256:
         raise AdapterError(
             "ChecksumMismatch", f"{WEIGHTS_FILE}: hashes to {digest}, not the {sha256} it was loaded with"
         )
-    factors = _factors(tensors, config, cfg, max_rank)
-    out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, pin)
-    _check_finite(out, factors)
-    timings["stack"] = time.perf_counter() - t2
     out.sha256, out.timings = digest, timings
     return out
 
 
-def _factors(tensors: dict[str, torch.Tensor], config: dict, cfg: ModelConfig, max_rank: int) -> dict:
+_HASHER = ThreadPoolExecutor(4, thread_name_prefix="loraplane-adapter-hash")
+
+
+def _sha256(buf: memoryview) -> tuple[str, float]:
+    start = time.perf_counter()
+    return "sha256:" + hashlib.sha256(buf).hexdigest(), time.perf_counter() - start
+
+
+def _factors(
+    tensors: dict[str, torch.Tensor], config: AdapterConfig, cfg: ModelConfig, max_rank: int
+) -> dict:
     """module -> {layer: (a [r, in], b [out, r], scale)}, every name, shape and rank checked."""
     shapes, num_layers = module_shapes(cfg), cfg.num_layers
     pairs: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
@@ -230,7 +193,7 @@ def _factors(tensors: dict[str, torch.Tensor], config: dict, cfg: ModelConfig, m
             raise AdapterError(
                 "RankTooHigh", f"{WEIGHTS_FILE}: {prefix}: rank {r} > the engine's max_lora_rank {max_rank}"
             )
-        want_r, scale = module_scale(config, prefix.removeprefix("base_model.model."))
+        want_r, scale = config.scale_of(prefix.removeprefix("base_model.model."))
         if want_r != r:
             raise AdapterError(
                 "ShapeMismatch",
@@ -270,25 +233,40 @@ def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, pin: bool
 
 def _stack_uniform(a_m: torch.Tensor, b_m: torch.Tensor, layers: list) -> None:
     """Every layer at the module's rank: one stack per factor and one multiply for the scales.
-    The arithmetic is PEFT's: B in fp32 times its scale, then cast (as ``(b.float() * scale).to(dtype)``)."""
+    The arithmetic is PEFT's, B in fp32 times its scale, then rounded once to the serving dtype (as
+    ``(b.float() * scale).to(dtype)``); a 16-bit ``mul_`` computes in fp32 and rounds once, the same."""
     a_src = [a for a, _, _ in layers]
     if a_src[0].dtype == a_m.dtype:
         torch.stack(a_src, out=a_m)
     else:
         a_m.copy_(torch.stack(a_src).float())
     scales = [s for _, _, s in layers]
-    b_src = torch.stack([b for _, b, _ in layers])  # [L, out, r] in the file's dtype
-    if all(s == 1.0 for s in scales):
-        b_m.copy_(b_src.float() if b_src.dtype != b_m.dtype else b_src)
+    b_src = [b for _, b, _ in layers]
+    if b_src[0].dtype == b_m.dtype:
+        torch.stack(b_src, out=b_m)  # [L, out, r]
+        if any(s != 1.0 for s in scales):
+            b_m.mul_(scales[0] if len(set(scales)) == 1 else torch.tensor(scales).view(-1, 1, 1))
         return
-    b32 = b_src.float() if b_src.dtype != torch.float32 else b_src
+    b32 = torch.stack(b_src).float()  # another dtype on file: scale in fp32, round once
     b_m.copy_(b32 * torch.tensor(scales, dtype=torch.float32).view(-1, 1, 1))
+
+
+_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00)}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf. 16-bit floats are checked on their bits (all exponent bits set), which is several times
+    faster on the CPU than ``isfinite``, which converts every element first."""
+    if t.dtype in _EXPONENT:
+        int_type, mask = _EXPONENT[t.dtype]
+        return not bool(torch.bitwise_and(t.view(int_type), mask).eq(mask).any())
+    return bool(torch.isfinite(t).all())
 
 
 def _check_finite(out: AdapterWeights, factors: dict) -> None:
     """One check per stacked tensor; only on a failure are the file's tensors searched for the name."""
     for module in out.ranks:
-        if bool(torch.isfinite(out.a[module]).all()) and bool(torch.isfinite(out.b[module]).all()):
+        if _all_finite(out.a[module]) and _all_finite(out.b[module]):
             continue
         for layer, (a, b, _) in sorted(factors[module].items()):
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
@@ -301,6 +279,40 @@ def _check_finite(out: AdapterWeights, factors: dict) -> None:
             "NonFiniteWeights",
             f"{WEIGHTS_FILE}: {module}: lora_B times its scale overflows the serving dtype",
         )
+
+
+def header_ranks(folder: Path, cfg: ModelConfig, *, max_rank: int) -> dict[str, int]:
+    """module -> largest rank over layers, from the config and the weights file's header alone (no data
+    read): what registering an adapter on the disk tier needs. The full checks run when it loads."""
+    folder = Path(folder)
+    read_config(folder)
+    path = folder / WEIGHTS_FILE
+    try:
+        header = read_header(path)
+    except FileNotFoundError:
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: missing in {folder}") from None
+    except (OSError, SafetensorsFormatError) as exc:
+        raise AdapterError(
+            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
+        ) from None
+    ranks: dict[str, int] = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        m = _KEY.match(key)
+        if not m or _PARENT.get(m[4]) != m[3]:
+            raise _refuse_key(key)
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if m[5] == "A" and isinstance(shape, list) and len(shape) == 2 and isinstance(shape[0], int):
+            if shape[0] > max_rank:
+                raise AdapterError(
+                    "RankTooHigh",
+                    f"{WEIGHTS_FILE}: {key}: rank {shape[0]} > the engine's max_lora_rank {max_rank}",
+                )
+            ranks[m[4]] = max(ranks.get(m[4], 0), shape[0])
+    if not ranks:
+        raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: holds no LoRA tensors")
+    return {m: ranks[m] for m in TARGET_MODULES if m in ranks}
 
 
 def safetensors_bytes(folder: Path) -> int:

@@ -23,13 +23,14 @@ stays typed (row fragmentation, reported by ``stats``; there is no compaction).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-FREE = 0
-KV = -1
+from loraplane.engine.memory.arbiter import FREE, KV, AdapterReclaimer, KVSide
 
 
 class UnifiedMemory:
+    reserves_kv = True  # adapter rows may take KV's chunks: the scheduler keeps queued sequences' room
+
     def __init__(self, num_chunks: int, chunk_blocks: int, block_elems: int, widths: Iterable[int],
                  block_bytes: int = 0) -> None:  # fmt: skip
         if num_chunks <= 0:
@@ -52,13 +53,26 @@ class UnifiedMemory:
         self._min_rows = {
             w: min(self.rows_in(u, w).__len__() for u in range(num_chunks)) for w in self.widths
         }
-        # Set by the block manager: (idle KV chunks) and (release up to n idle KV chunks -> how many).
-        self.kv_idle: Callable[[], int] = lambda: 0
-        self.kv_release: Callable[[int], int] = lambda n: 0
+        self._kv: KVSide | None = None  # the block manager, once it attached
         # Set by the scheduler each step: chunks adapter loads leave to KV (queued sequences will need them).
         self.kv_reserve_chunks = 0
-        # Set by the adapter side: evict idle adapters (none in `keep`) until `n` chunks are FREE, if it can.
-        self.adapter_reclaimer: Callable[[int, frozenset], None] | None = None
+        # The adapter side's (attach_adapters): evict idle adapters (none in `keep`) until `n` chunks are FREE.
+        self.adapter_reclaimer: AdapterReclaimer | None = None
+
+    # -- the two sides join -----------------------------------------------------------------------------------
+    def attach_kv(self, kv: KVSide) -> None:
+        self._kv = kv
+
+    def attach_adapters(self, reclaim: AdapterReclaimer) -> None:
+        self.adapter_reclaimer = reclaim
+
+    def kv_idle(self) -> int:
+        """KV chunks the block manager could give back (none of their blocks held)."""
+        return self._kv.idle_kv_chunks() if self._kv is not None else 0
+
+    def kv_release(self, count: int) -> int:
+        """Have the block manager give back up to ``count`` idle KV chunks; how many it gave."""
+        return self._kv.release_idle_kv_chunks(count) if self._kv is not None else 0
 
     # -- geometry -------------------------------------------------------------------------------------------
     def rows_in(self, chunk: int, width: int) -> list[int]:

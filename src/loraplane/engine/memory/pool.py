@@ -91,14 +91,15 @@ class UnifiedGpuTier(GpuTier):
         super().__init__(pools, device)
         self.memory = memory
         self._held: dict[str, dict[tuple[int, int], int]] = {}
-        self.evictable = lambda key: True  # set by the adapter manager
-        memory.adapter_reclaimer = self.reclaim
+        self.evictable = lambda key: (
+            True
+        )  # the adapter tiers' rule, once they share this tier (share_with_kv)
 
     def share_with_kv(self, evictable, reclaim_for_kv) -> None:
         """KV may evict the versions ``evictable`` allows, through ``reclaim_for_kv`` (the adapter side's,
         which takes its lock and spares what waiting requests need, then calls ``reclaim``)."""
         self.evictable = evictable
-        self.memory.adapter_reclaimer = reclaim_for_kv
+        self.memory.attach_adapters(reclaim_for_kv)
 
     @property
     def capacity_bytes(self) -> int:

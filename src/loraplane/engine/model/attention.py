@@ -267,7 +267,7 @@ def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, H, D: 
 # Launch shape: positions per iteration, warps, software-pipelining stages. Both as the engine benchmark's
 # sweep selected them on the H200 (kernel timed inside CUDA graphs, contexts 512..8192): 16 splits below
 # 16 sequences of 8 kv heads, 4 up to 63 sequences, 1 from 64 on (there one program per (sequence, kv head)
-# already fills the GPU and a split only adds the merge); 3 stages beat 2 by ~4% (bench/NOTES-engine.md).
+# already fills the GPU and a split only adds the merge); 3 stages beat 2 by ~4% (docs/performance.md).
 DECODE_SPLITS: tuple[tuple[int, int], ...] = ((0, 16), (128, 4), (512, 1))
 DECODE_LAUNCH = {"block_n": 64, "num_warps": 4, "num_stages": 3}
 

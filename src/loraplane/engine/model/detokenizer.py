@@ -110,6 +110,10 @@ class IncrementalDetokenizer:
         self.stopped_on: str | None = None  # the stop string that ended the output
         self._emitted = 0  # chars of self.text already handed out by take_delta()
 
+    def watch(self, stop: tuple[str, ...]) -> None:
+        """Look for ``stop`` in the text from the next token on (min_tokens: none ends the output before)."""
+        self.stop, self._matcher = stop, StopMatcher(stop)
+
     def _decode(self, token_ids: list[int]) -> str:
         return self._decode_ids(token_ids, skip_special_tokens=self.skip_special_tokens)
 

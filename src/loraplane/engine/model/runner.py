@@ -15,16 +15,17 @@ from types import SimpleNamespace
 
 import torch
 
-from loraplane.engine.lora.layers import LoRAStepState, build_pools, pool_row_bytes, wrap_model
+from loraplane.engine.lora.layers import LoRAStepState, wrap_model
 from loraplane.engine.lora.manager import AdapterTiers
 from loraplane.engine.lora.merge import AdapterMerger, MergePolicy
 from loraplane.engine.lora.residency import NullResidency
-from loraplane.engine.memory.pool import UnifiedGpuTier, build_unified, chunk_blocks_for
+from loraplane.engine.memory.layout import memory_layout
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan, paged_decode
 from loraplane.engine.model.cuda_graphs import DecodeGraphs, graph_family
 from loraplane.engine.model.model import CausalLM
 from loraplane.engine.model.model_config import ModelConfig
-from loraplane.engine.model.sampler import SamplingMetadata, sample
+from loraplane.engine.model.sampler import sample
+from loraplane.engine.model.sampling_batch import SamplingBatch
 from loraplane.engine.model.weights import base_hash, load_model
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -112,17 +113,16 @@ class ModelRunner:
         else:
             self.model, self.base_hash = model, "in-memory"
         self.model.init_rope(self.max_model_len, self.device)
-        self.memory = None  # the unified memory when KV and adapters share one arena (memory_mode)
-        self._init_lora()  # before KV sizing: the adapter pools come out of the same memory
+        self.layout = memory_layout(config, cfg, self.block_size, self.dtype, self.device)
+        self._init_lora(self.layout.pools_before_kv())  # before KV sizing: the split's pools come first
         self.merger = self._new_merger()  # before KV sizing too: its merged weights come out of KV's share
-        self.num_kv_blocks = self._num_kv_blocks(free_before)
+        self.num_kv_blocks = self.layout.kv_blocks(self._num_split_kv_blocks(free_before))
         if tp is not None:  # TP hook: one block table for all ranks, so the same number of blocks
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self._allocate_kv_cache()
         if self.merger is not None:
             self.merger.bind(self.lora, self.lora_state)
-        self.generators: dict[int, torch.Generator] = {}
-        self.default_generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.sampling = SamplingBatch(self.vocab_size, self.eos_token_ids, self.device, config.seed)
         self.graphs: DecodeGraphs | None = None
         self.base_graphs: DecodeGraphs | None = None
         self.merged_graphs: DecodeGraphs | None = None
@@ -134,16 +134,14 @@ class ModelRunner:
                 self._capture_graphs(sizes)
 
     # ------------------------------------------------------------------------------------ adapters
-    def _init_lora(self) -> None:
-        """Adapter pools (one per PEFT module), the LoRA wrappers and the registry / residency."""
+    def _init_lora(self, pools) -> None:
+        """The adapter tiers over ``pools`` (one per PEFT module; None: none yet), the LoRA wrappers and the
+        residency."""
         self.lora: AdapterTiers | None = None
         self.lora_state: LoRAStepState | None = None
         self.residency = NullResidency()
-        cfg = self.config
-        if not cfg.enable_lora or cfg.memory_mode == "unified":
-            return  # unified: the pools are views over the KV arena, built with it (_allocate_kv_cache)
-        rows = self._lora_pool_bytes() // sum(pool_row_bytes(self.model_config, self.dtype).values())
-        self._attach_lora(build_pools(self.model_config, rows, cfg.max_lora_rank, self.dtype, self.device))
+        if pools is not None:
+            self._attach_lora(pools)
 
     def _new_merger(self) -> AdapterMerger | None:
         """The dominant adapter's merged weights (lora_merge), one copy of every projection weight."""
@@ -151,15 +149,6 @@ class ModelRunner:
         if not (cfg.lora_merge and cfg.enable_lora) or self.tp is not None:
             return None
         return AdapterMerger(self.model, MergePolicy(cfg.lora_merge_after_steps, cfg.lora_merge_stay_share))
-
-    def _lora_pool_bytes(self) -> int:
-        """What the split adapter pools hold: lora_pool_bytes, else max_loras adapters of max rank everywhere."""
-        cfg = self.config
-        if not cfg.enable_lora:
-            return 0
-        row_bytes = sum(pool_row_bytes(self.model_config, self.dtype).values())
-        rows = cfg.lora_pool_bytes // row_bytes if cfg.lora_pool_bytes else cfg.max_loras * cfg.max_lora_rank
-        return rows * row_bytes
 
     def _attach_lora(self, pools, gpu_tier=None) -> None:
         cfg = self.config
@@ -235,8 +224,7 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        cfg = self.model_config
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        return self.layout.kv_block_bytes
 
     def _free_device_memory(self) -> int:
         if self.device.type != "cuda":
@@ -245,17 +233,6 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats()
         self._allocated_before = torch.cuda.memory_allocated()
         return torch.cuda.mem_get_info()[0]
-
-    def _num_kv_blocks(self, free_before: int) -> int:
-        blocks = self._num_split_kv_blocks(free_before)
-        if self.config.memory_mode != "unified":
-            return blocks
-        # One arena for what the split would give KV and the adapter pools (on CUDA the pools were never
-        # allocated, so the profiled budget already holds them), in whole chunks.
-        if self.config.num_kv_blocks is not None or self.device.type != "cuda":
-            blocks += -(-self._lora_pool_bytes() // self.kv_block_bytes)
-        chunk = chunk_blocks_for(self.model_config, self.block_size)
-        return max(chunk, blocks // chunk * chunk)
 
     def _num_split_kv_blocks(self, free_before: int) -> int:
         if self.config.num_kv_blocks is not None:
@@ -289,20 +266,13 @@ class ModelRunner:
         torch.cuda.synchronize()
 
     def _allocate_kv_cache(self) -> None:
-        cfg = self.model_config
-        if self.config.memory_mode == "unified":  # k_cache = arena[0], v_cache = arena[1]: contiguous
-            lora = self.config.enable_lora
-            arenas, self.memory, pools = build_unified(cfg, self.num_kv_blocks, self.block_size,
-                                                       self.config.max_lora_rank, self.dtype, self.device, lora)  # fmt: skip
-            for layer, arena in zip(self.model.model.layers, arenas, strict=True):
-                layer.self_attn.k_cache, layer.self_attn.v_cache = arena[0], arena[1]
-            if lora:
-                self._attach_lora(pools, UnifiedGpuTier(pools, self.memory, self.device))
-            return
-        shape = (self.num_kv_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        for layer in self.model.model.layers:
-            layer.self_attn.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            layer.self_attn.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        """The KV cache, the memory arbiter that hands out its blocks, and the pools built with it."""
+        placed = self.layout.allocate(self.num_kv_blocks)
+        self.memory = placed.memory
+        for layer, (k_cache, v_cache) in zip(self.model.model.layers, placed.kv_caches, strict=True):
+            layer.self_attn.k_cache, layer.self_attn.v_cache = k_cache, v_cache
+        if placed.pools is not None:
+            self._attach_lora(placed.pools, placed.gpu_tier)
 
     @torch.inference_mode()
     def _compile_step_kernels(self) -> None:
@@ -380,30 +350,6 @@ class ModelRunner:
             meta.decode_rows = None if decode_only else flat[cuts[4] :]
         return StepInputs(flat[:T], flat[Tp : cuts[0]], meta, flat[cuts[2] : cuts[3]], decode_only)
 
-    def _sampling_metadata(self, batch) -> SamplingMetadata:
-        params = [c.seq.sampling for c in batch.chunks if c.sample]
-        seqs = [c.seq for c in batch.chunks if c.sample]
-        gens: list[torch.Generator | None] = []
-        for seq, p in zip(seqs, params, strict=True):
-            if p.seed is None or p.temperature == 0:
-                gens.append(None)
-                continue
-            if seq.seq_id not in self.generators:
-                self.generators[seq.seq_id] = torch.Generator(device=self.device).manual_seed(p.seed)
-            gens.append(self.generators[seq.seq_id])
-        all_greedy = all(p.temperature == 0 for p in params)
-        dev = torch.device("cpu") if all_greedy else self.device
-        return SamplingMetadata(
-            temperatures=torch.tensor([float(p.temperature) for p in params], dtype=torch.float32).to(dev),
-            top_ks=torch.tensor([p.top_k for p in params], dtype=torch.int64).to(dev),
-            top_ps=torch.tensor([float(p.top_p) for p in params], dtype=torch.float32).to(dev),
-            all_greedy=all_greedy,
-            any_top_k=any(p.top_k > 0 and p.temperature > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 and p.temperature > 0 for p in params),
-            generators=gens,
-            num_logprobs=[p.logprobs for p in params],
-        )
-
     # ---------------------------------------------------------------------------------------- step
     @torch.inference_mode()
     def forward_logits(self, batch) -> torch.Tensor:
@@ -455,12 +401,16 @@ class ModelRunner:
         logits = self.forward_logits(batch)
         if logits.shape[0] == 0:
             return []
-        out = sample(logits, self._sampling_metadata(batch), self.default_generator)
+        meta = self.sampling.metadata([c.seq for c in batch.chunks if c.sample])
+        out = sample(logits, meta, self.sampling.default_generator)
         return [
             SampledToken(t, lp, top)
             for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True)
         ]
 
+    @property
+    def generators(self) -> dict[int, torch.Generator]:
+        return self.sampling.generators
+
     def release(self, seq_ids) -> None:
-        for seq_id in seq_ids:
-            self.generators.pop(seq_id, None)
+        self.sampling.release(seq_ids)

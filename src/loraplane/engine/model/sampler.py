@@ -1,6 +1,8 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, per-request seeds, logprobs.
+"""Batched token sampling: logits processing, greedy, temperature, min-p, top-k, top-p, per-request seeds,
+logprobs.
 
-Sampling draws with the exponential race (argmax of probs / Exp(1) noise), which equals a categorical draw
+Logits processing (logit bias, min_tokens, presence / frequency / repetition penalties, min-p: logits.py) runs
+on the logits the model (or its CUDA graph) returned, on a copy, so graphs never change. Sampling draws with the exponential race (argmax of probs / Exp(1) noise), which equals a categorical draw
 and needs no host sync. A seeded request draws its noise row from its own ``torch.Generator``, so its
 tokens do not depend on what else is in the batch. Logprobs are of the model's distribution (raw logits,
 before temperature and truncation), as OpenAI's API reports them.
@@ -11,6 +13,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from loraplane.engine.model.logits import add_logit_bias, apply_min_p, apply_penalties, ban_tokens
+
+
+@dataclass(slots=True)
+class PenaltyRows:
+    """The penalised rows of one step (P of the S rows) and where their token counts live."""
+
+    rows: torch.Tensor | None  # [P] int64 rows of the batch; None: every row
+    slots: torch.Tensor  # [P] int64 rows of prompt_mask / counts
+    presence: torch.Tensor  # [P] fp32
+    frequency: torch.Tensor  # [P] fp32
+    repetition: torch.Tensor  # [P] fp32
+    prompt_mask: torch.Tensor  # [R, V] bool, shared state (PenaltyState)
+    counts: torch.Tensor  # [R, V] int32, shared state: sample() adds each step's tokens
 
 
 @dataclass(slots=True)
@@ -25,6 +42,10 @@ class SamplingMetadata:
     any_top_p: bool
     generators: list[torch.Generator | None]  # [S] per-request generator (seeded requests only)
     num_logprobs: list[int | None]  # [S] None: no logprobs; n: sampled + top-n
+    min_ps: torch.Tensor | None = None  # [S] fp32 (0: off); None: no random row uses min-p
+    bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, biases) [N] each
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): min_tokens' stop tokens
+    penalties: PenaltyRows | None = None
 
     def __post_init__(self) -> None:
         S = self.temperatures.shape[0]
@@ -71,6 +92,8 @@ def _sample_random(
 ) -> torch.Tensor:
     temps = torch.where(meta.temperatures > 0, meta.temperatures, 1.0)
     x = logits / temps.unsqueeze(1)
+    if meta.min_ps is not None:
+        x = apply_min_p(x, meta.min_ps)
     if meta.any_top_k or meta.any_top_p:
         x = apply_top_k_top_p(
             x, meta.top_ks if meta.any_top_k else None, meta.top_ps if meta.any_top_p else None
@@ -83,15 +106,49 @@ def _sample_random(
     return (probs / noise).argmax(dim=-1)
 
 
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Logit bias, the min_tokens ban, then penalties, as vLLM orders them; logits [S, V] -> a new [S, V]
+    (or ``logits`` itself when no row asks for any)."""
+    if meta.bias is None and meta.banned is None and meta.penalties is None:
+        return logits
+    x = logits.clone()
+    if meta.bias is not None:
+        add_logit_bias(x, *meta.bias)
+    if meta.banned is not None:
+        ban_tokens(x, *meta.banned)
+    p = meta.penalties
+    if p is not None:
+        rows = x if p.rows is None else x[p.rows]  # [P, V]
+        out = apply_penalties(rows, p.prompt_mask[p.slots], p.counts[p.slots], p.presence, p.frequency,
+                              p.repetition)  # fmt: skip
+        if p.rows is None:
+            x = out
+        else:
+            x[p.rows] = out
+    return x
+
+
+def _count_tokens(meta: SamplingMetadata, tokens: torch.Tensor) -> None:
+    """The penalties' output counts take this step's tokens (one scatter for every penalised row)."""
+    p = meta.penalties
+    if p is not None:
+        sampled = tokens if p.rows is None else tokens[p.rows]
+        ones = torch.ones_like(sampled, dtype=p.counts.dtype)
+        p.counts.index_put_((p.slots, sampled.to(p.slots.device)), ones, accumulate=True)
+
+
 def sample(
     logits: torch.Tensor, meta: SamplingMetadata, default_gen: torch.Generator | None = None
 ) -> SamplerOutput:
     """logits: [S, V] fp32 -> one token per row, plus logprobs where asked (one host transfer)."""
-    greedy = logits.argmax(dim=-1)  # [S]
+    processed = process_logits(logits, meta)
+    greedy = processed.argmax(dim=-1)  # [S]
     if meta.all_greedy:
         tokens = greedy
     else:
-        tokens = torch.where(meta.temperatures == 0, greedy, _sample_random(logits, meta, default_gen))
+        temps = meta.temperatures.to(logits.device)
+        tokens = torch.where(temps == 0, greedy, _sample_random(processed, meta, default_gen))
+    _count_tokens(meta, tokens)
     wanted = [n for n in meta.num_logprobs if n is not None]
     if not wanted:
         return SamplerOutput(

@@ -1,0 +1,398 @@
+"""Adapter churn on one GPU: time to first token by tier, and the S-LoRA workload with disk loads, through the
+real serving loop (AsyncEngine), against the base-only engine on the same trace.
+
+1. Floors: the disk's read bandwidth (O_DIRECT, past the page cache), the page cache's, and host-to-device
+   bandwidth from pinned memory, each measured in this run.
+2. TTFT by tier (256-token prompt, r16 all-module adapter, 84 MB on the Llama-3-8B shape): adapter on the GPU,
+   in pinned host RAM, only on disk; on an idle engine and under a full decode batch of other tenants
+   (resident adapters). Floor = base TTFT + bytes / disk bandwidth (disk) + bytes / PCIe bandwidth (disk,
+   host) [+ one decode step when loaded]. The disk is really read: the page cache is dropped when the
+   machine allows it, else every adapter file is read with O_DIRECT.
+3. Resident decode while adapters load: the background batch's tokens/s with and without cold loads.
+4. S-LoRA workload: n adapters of ranks {8,16,32,64} on every module (lora_alpha = 2r), popularity
+   floor(power(alpha) * n) for alpha 1 and 0.1, Poisson arrivals, input and output lengths U[8, 512); every
+   adapter registered on the disk tier, one file per adapter the trace uses; GPU pool and host tier smaller
+   than the working set. The same trace on the base-only engine.
+
+    python bench/run.py churn --out DIR [--quick] [--requests N] [--rate R] [--skip ttft decode slora]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loraplane.engine.core.async_engine import AsyncEngine
+from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.llm_engine import LLMEngine
+from loraplane.engine.core.sequence import SamplingParams
+from loraplane.engine.lora.safetensors_io import read_file, read_file_direct
+from loraplane.engine.lora.weights import module_shapes
+from loraplane.engine.model.model_config import ModelConfig
+from loraplane.engine.model.runner import ModelRunner
+from loraplane.engine.model.weights import random_model
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # bench/: shapes, synth
+from shapes import LLAMA3_8B  # noqa: E402
+from shapes import TINY_LLAMA as TINY  # noqa: E402
+
+_spec = importlib.util.spec_from_file_location("lora_bench", HERE.parent / "lora" / "main.py")
+lora_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lora_bench)  # the S-LoRA trace generator of the multi-LoRA benchmark
+
+RANKS = (8, 16, 32, 64)
+BACKGROUND = 64  # the full decode batch of other tenants (8 with --quick)
+sys.path.insert(0, str(HERE))
+from workload import (  # noqa: E402
+    first_token_ms,
+    measure_floors,
+    serve_trace,
+    write_adapter_files,
+)
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.quick = args.quick
+        self.device = torch.device("cpu" if self.quick else "cuda")
+        self.dtype = torch.float32 if self.quick else torch.bfloat16
+        raw = TINY if self.quick else LLAMA3_8B
+        self.cfg = ModelConfig.from_dict(raw, max_model_len=2048)
+        self.tmp = Path(tempfile.mkdtemp(prefix="churn-bench-", dir=args.dir))
+        (self.tmp / "config.json").write_text(json.dumps(raw))
+        self.common = dict(model=str(self.tmp), max_model_len=2048, max_num_seqs=128, max_num_batched_tokens=8192,
+                           gpu_memory_utilization=0.85, device=self.device.type,
+                           dtype=str(self.dtype).removeprefix("torch."))  # fmt: skip
+        if self.quick:
+            self.common["num_kv_blocks"] = 8192
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.row_bytes = sum(
+            self.cfg.num_layers * (i + o) * elem for i, o in module_shapes(self.cfg).values()
+        )
+        self.args = args
+        self.reader = read_file
+        self.background = 8 if self.quick else BACKGROUND
+
+    def adapter_bytes(self, rank: int) -> int:
+        return rank * self.row_bytes
+
+    # -- engines -------------------------------------------------------------------------------------------
+    def engine(self, model, lora: bool) -> AsyncEngine:
+        gib = 1 << 30
+        extra = {}
+        if lora:
+            pool = int(self.args.pool_gib * gib) if not self.quick else 40 * 64 * self.row_bytes
+            host = int(self.args.host_gib * gib) if not self.quick else 60 * 64 * self.row_bytes
+            extra = dict(lora_pool_bytes=pool, lora_host_bytes=host, max_lora_rank=64)
+        cfg = EngineConfig(enable_lora=lora, **extra, **self.common)
+        runner = ModelRunner(cfg, model=model, model_config=self.cfg)
+        return AsyncEngine(LLMEngine(cfg, runner=runner))
+
+    @staticmethod
+    def free(engine: AsyncEngine, model) -> None:
+        engine.close()
+        for layer in model.model.layers:  # the runner's KV lives on the model's layers
+            layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
+        engine.engine.runner.graphs = None
+        del engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+async def background(
+    b: Bench, engine: AsyncEngine, adapters: list, tokens: list[float], stop: asyncio.Event
+) -> None:
+    """A full decode batch of other tenants: long requests whose every token time is recorded."""
+    params = SamplingParams(temperature=0.0, max_tokens=1400, ignore_eos=True)
+    prompt = list(range(1, 33 if b.quick else 513))
+
+    async def one(i: int) -> None:
+        stream = engine.add_request(prompt, params, adapter=adapters[i % len(adapters)])
+        async for _ in stream:
+            tokens.append(time.perf_counter())
+            if stop.is_set():
+                await stream.aclose()  # aborts the request
+                return
+
+    await asyncio.gather(*(one(i) for i in range(b.background)))
+
+
+async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lora: bool) -> list[dict]:
+    """TTFT per tier, idle then under the background batch, plus resident decode with and without loads."""
+    prompt, rows = list(range(1, 257)), []
+    manager = engine.engine.runner.lora
+    samples = b.args.samples
+    folders = {}
+    if lora:
+        manager.read = b.reader  # the disk tier reads the disk itself
+        names = [f"t{i}" for i in range(8 + 2 * samples * 3 + 40)]
+        folders = write_adapter_files(b, b.tmp / "ttft", {n: 16 for n in names}, drop=True)
+        for n in names:
+            await engine.load_adapter(n, "v1", folders[n], f"sha256:{n}", on_disk=True)
+        for i in range(8):  # the other tenants' adapters: resident
+            await engine.pin_adapter(f"t{i}", "v1", True)
+            await engine.warm_adapter(f"t{i}", "v1")
+        await first_token_ms(engine, prompt, "t0@v1")  # compiles the prefill LoRA kernels outside the timing
+    await first_token_ms(engine, prompt, None)
+    spare = iter(range(8, 10_000))
+
+    async def cold(tier: str) -> str | None:
+        """A fresh adapter on ``tier`` (its file not read since the page cache was dropped, or read past it)."""
+        if tier == "base":
+            return None
+        name = f"t{next(spare)}"
+        key = f"{name}@v1"
+        if tier == "gpu":
+            await engine.warm_adapter(name, "v1")
+        elif tier == "host":
+            weights = await asyncio.to_thread(manager.parse, folders[name])
+            with manager.lock:
+                manager.host.put(key, weights, manager._host_evictable)
+        assert manager.tier_of(key) == tier, (key, manager.tier_of(key), tier)
+        return key
+
+    tiers = ("base", "gpu", "host", "disk") if lora else ("base",)
+    for state in ("idle", "loaded"):
+        stop, tokens = asyncio.Event(), []
+        bg = None
+        if state == "loaded":
+            bg = asyncio.create_task(
+                background(b, engine, [f"t{i}@v1" for i in range(8)] if lora else [None], tokens, stop)
+            )
+            while len(tokens) < b.background * 3:
+                await asyncio.sleep(0.05)
+        for tier in tiers:
+            ms = [await first_token_ms(engine, prompt, await cold(tier)) for _ in range(samples)]
+            rows.append({"case": f"{label} TTFT {tier}, {state}", "section": "ttft", "tier": tier, "state": state,
+                         "ttft_ms": statistics.median(ms), "samples_ms": [round(x, 1) for x in ms]})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+        if state == "loaded":
+            rows += await decode_under_loads(b, engine, label, tokens, cold if lora else None)
+            stop.set()
+            await bg
+    return rows
+
+
+async def decode_under_loads(b: Bench, engine, label: str, tokens: list[float], cold) -> list[dict]:
+    """The background batch's tokens/s over a window without loads, then one with cold loads at 10/s."""
+
+    def rate(start: float, end: float) -> float:
+        return sum(start <= t < end for t in tokens) / (end - start)
+
+    window = 1.0 if b.quick else 3.0
+    t0 = time.perf_counter()
+    await asyncio.sleep(window)
+    quiet = rate(t0, time.perf_counter())
+    rows = [{"case": f"{label} resident decode, no loads", "section": "decode", "tok_s": quiet}]
+    if cold is not None:
+        t1, tasks = time.perf_counter(), []
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        while time.perf_counter() - t1 < window:
+            key = await cold("disk")
+            tasks.append(
+                asyncio.create_task(_drain(engine.add_request(list(range(1, 65)), params, adapter=key)))
+            )
+            await asyncio.sleep(0.1)
+        busy = rate(t1, time.perf_counter())
+        await asyncio.gather(*tasks)
+        rows.append({"case": f"{label} resident decode, 10 cold loads/s", "section": "decode", "tok_s": busy,
+                     "vs_no_loads": busy / quiet if quiet else None, "loads": len(tasks)})  # fmt: skip
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+async def _drain(stream) -> None:
+    async for _ in stream:
+        pass
+
+
+def make_assignment(args, n_requests: int, alpha: float) -> list[int]:
+    idx = np.floor(np.random.default_rng(1).power(alpha, n_requests) * args.adapters).astype(int)
+    return [min(int(i), args.adapters - 1) for i in idx]
+
+
+async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: bool) -> list[dict]:
+    arrivals, prompts, lens_out = trace
+    n, rows = len(prompts), []
+    if not lora:
+        r = await serve_trace(engine, arrivals, prompts, lens_out, [None] * n)
+        rows.append(
+            {
+                "case": f"S-LoRA trace {label} ({n} req, {b.args.rate}/s)",
+                "section": "slora",
+                "alpha": None,
+                **r,
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+        return rows
+    manager = engine.engine.runner.lora
+    manager.read = read_file  # files just written: the page cache serves them (see the notes)
+    used = sorted({i for alpha in b.args.alphas for i in make_assignment(b.args, n, alpha)})
+    folders = write_adapter_files(
+        b, b.tmp / "slora", {f"s{i}": RANKS[i % 4] for i in used}, drop=False, link=True
+    )
+    template = folders[f"s{used[0]}"]
+    for i in range(b.args.adapters):  # every adapter registered on the disk tier (unused ones share a folder)
+        folder = folders.get(f"s{i}", template)
+        manager.register_on_disk(f"s{i}", "v1", folder, f"sha256:s{i}")
+    for alpha in b.args.alphas:
+        for v in manager.versions.values():  # count this trace's loads only
+            v.timings.pop("disk_read", None)
+        adapters = [f"s{i}@v1" for i in make_assignment(b.args, n, alpha)]
+        working = sum(b.adapter_bytes(RANKS[int(a[1:].split("@")[0]) % 4]) for a in set(adapters))
+        before = dict(manager.tier_stats())
+        r = await serve_trace(engine, arrivals, prompts, lens_out, adapters)
+        loads = [v.timings for v in manager.versions.values() if "disk_read" in v.timings]
+        rows.append({"case": f"S-LoRA trace {label} alpha={alpha} ({n} req, {b.args.rate}/s, {b.args.adapters} adapters)",
+                     "section": "slora", "alpha": alpha, **r, "working_set_gb": working / 1e9,
+                     "gpu_pool_gb": before["gpu"]["capacity"] / 1e9, "host_tier_gb": before["host"]["capacity"] / 1e9,
+                     "disk_loads": len(loads), "max_loads_in_flight": manager.loader.max_in_flight,
+                     "load_read_ms_p50": _p50(loads, "disk_read"), "load_hash_ms_p50": _p50(loads, "disk_hash"),
+                     "load_stack_ms_p50": _p50(loads, "disk_stack")})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _p50(loads: list[dict], key: str) -> float | None:
+    return statistics.median(t[key] for t in loads) * 1e3 if loads else None
+
+
+def summarize(rows: list[dict], floors: dict, b: Bench) -> dict:
+    base = {
+        r["alpha"]: r for r in rows if r["section"] == "slora" and r["case"].startswith("S-LoRA trace base")
+    }
+    base_row = base.get(None)
+    engine = {}
+    for r in rows:
+        if r["section"] == "slora" and r["alpha"] is not None and base_row:
+            engine[f"alpha={r['alpha']}"] = {
+                "throughput_vs_base": r["tok_s"] / base_row["tok_s"],
+                "ttft_p50_vs_base": r["ttft_p50_ms"] / base_row["ttft_p50_ms"],
+                "ttft_p99_vs_base": r["ttft_p99_ms"] / base_row["ttft_p99_ms"],
+                "tok_s": r["tok_s"], "base_tok_s": base_row["tok_s"], "failed": r["failed"],
+            }  # fmt: skip
+    ttft = {r["state"]: {} for r in rows if r["section"] == "ttft"}
+    for r in rows:
+        if r["section"] == "ttft" and r["case"].startswith("LoRA"):
+            ttft[r["state"]][r["tier"]] = r["ttft_ms"]
+    base_ttft = {
+        r["state"]: r["ttft_ms"] for r in rows if r["section"] == "ttft" and r["case"].startswith("base")
+    }
+    nbytes = b.adapter_bytes(16)
+    step = floors.get("decode_step_ms", 0.0)
+    floor = {}
+    for state, bt in base_ttft.items():
+        extra = step if state == "loaded" else 0.0
+        floor[state] = {"gpu": bt, "host": bt + nbytes / floors["pcie_gbs"] / 1e6 + extra,
+                        "disk": bt + nbytes / floors["disk_gbs"] / 1e6 + nbytes / floors["pcie_gbs"] / 1e6 + extra}  # fmt: skip
+    return {"engine": engine, "ttft_ms": ttft, "ttft_floor_ms": floor, "base_ttft_ms": base_ttft,
+            "adapter_bytes": nbytes, "floors": floors}  # fmt: skip
+
+
+def run(argv: list[str]) -> dict:
+    parser = argparse.ArgumentParser(prog="bench churn")
+    parser.add_argument("--quick", action="store_true", help="tiny model on the CPU: checks the script only")
+    parser.add_argument("--skip", nargs="*", default=[], help="sections: ttft slora")
+    parser.add_argument("--requests", type=int, default=160)
+    parser.add_argument("--rate", type=float, default=16.0)
+    parser.add_argument("--adapters", type=int, default=1000)
+    parser.add_argument("--alphas", type=float, nargs="*", default=[1.0, 0.1])
+    parser.add_argument(
+        "--pool-gib", type=float, default=8.0, help="GPU adapter pool (below the working set)"
+    )
+    parser.add_argument("--host-gib", type=float, default=4.0, help="host tier (below the working set)")
+    parser.add_argument("--samples", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where adapter files are written (a real disk)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        torch.set_num_threads(1)
+        args.requests, args.rate, args.samples = min(args.requests, 16), 40.0, 1
+    torch.manual_seed(0)
+    b = Bench(args)
+    floors = measure_floors(b)
+    if not floors["page_cache_dropped"]:
+        b.reader = read_file_direct  # the disk is really read: past the page cache
+    print(json.dumps(floors), flush=True)
+    model = random_model(b.cfg, b.device, b.dtype)
+    trace = lora_bench.make_trace(args.requests, args.rate, max_len=40 if args.quick else 512)
+    rows: list[dict] = []
+    for label, lora in (("base", False), ("LoRA", True)):
+        engine = b.engine(model, lora)
+
+        async def section(engine=engine, label=label, lora=lora) -> list[dict]:
+            out = []
+            if "ttft" not in args.skip:
+                out += await ttft_rows(b, engine, label, floors, lora)
+            if "slora" not in args.skip:
+                out += await slora_rows(b, engine, label, trace, lora)
+            return out
+
+        rows += asyncio.run(section())
+        step = [r for r in rows if r["section"] == "slora" and r["case"].startswith("S-LoRA trace base")]
+        if step:
+            floors["decode_step_ms"] = step[0]["itl_p50_ms"]
+        b.free(engine, model)
+    summary = summarize(rows, floors, b)
+    return {
+        "title": "Adapter churn: Llama-3-8B-shaped, random bf16 weights and adapters, one H200",
+        "columns": [
+            "case",
+            "ttft_ms",
+            "tok_s",
+            "vs_no_loads",
+            "ttft_p50_ms",
+            "ttft_p99_ms",
+            "itl_p50_ms",
+            "failed",
+            "disk_loads",
+            "max_loads_in_flight",
+            "load_read_ms_p50",
+            "load_hash_ms_p50",
+            "load_stack_ms_p50",
+            "working_set_gb",
+        ],  # fmt: skip
+        "rows": rows,
+        "summary": summary,
+        "meta": {
+            "device": torch.cuda.get_device_name() if b.device.type == "cuda" else "cpu (--quick)",
+            "torch": torch.__version__,
+            "disk read GB/s (O_DIRECT)": round(floors["disk_gbs"], 2),
+            "page cache read GB/s": round(floors["page_cache_gbs"], 2),
+            "host-to-device GB/s (pinned)": round(floors["pcie_gbs"], 2),
+            "page cache dropped between cold reads": floors["page_cache_dropped"],
+            "adapter files": str(b.tmp),
+        },
+        "notes": [
+            "Every request goes through AsyncEngine (the serving loop of `loraplane serve`), driven by an asyncio "
+            "client that submits each request at its arrival time and reads its stream.",
+            "TTFT floor: base TTFT + bytes / disk GB/s (disk tier) + bytes / host-to-device GB/s (disk and host "
+            "tiers) + one decode step (the base trace's median inter-token time) when loaded.",
+            "TTFT, disk tier: the file is read past the page cache (dropped after the files were written when "
+            "the machine allows it, else the engine reads with O_DIRECT). S-LoRA trace: every adapter is "
+            "registered on the disk tier and loads from its own folder, whose weights file is a hard link to "
+            "one file per rank, so the page cache serves those reads; the GPU pool and the host tier are "
+            "smaller than the working set, so every load is a full read, hash, parse and copy.",
+        ],
+    }
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    print(json.dumps(run(sys.argv[1:]), indent=1, default=str))
