@@ -177,6 +177,7 @@ async def test_32_concurrent_streams_across_adapters(world):
 
 def test_a_version_swap_during_a_stream_loop_fails_no_request(world, engine):
     assert world.put("chat", world.published["chat-v2"]).status_code == 200  # beside v1
+    on_v1 = asyncio.run(engine_text(engine, engine.engine.tokenizer.encode("hi"), "chat@v1", 6))
     results, served, errors, stop = [], [], [], threading.Event()
 
     def loop() -> None:
@@ -209,7 +210,6 @@ def test_a_version_swap_during_a_stream_loop_fails_no_request(world, engine):
     assert errors == []
     on_v2 = asyncio.run(engine_text(engine, engine.engine.tokenizer.encode("hi"), "chat@v2", 6))
     assert results[-1] == on_v2 and set(results) <= set(results[:count]) | {on_v2}
-    on_v1 = asyncio.run(engine_text(engine, engine.engine.tokenizer.encode("hi"), "chat@v1", 6))
     assert {v for v, _ in served} == {"v1", "v2"}, "the header names the version that answered"
     assert all(text == {"v1": on_v1, "v2": on_v2}[v] for v, text in served)
     assert world.put("chat", world.published["chat-v1"]).status_code == 200  # back for the other tests
