@@ -132,8 +132,9 @@ def test_concurrency_limit_is_429_with_retry_after(world):
 def test_tokens_per_minute_is_429_with_retry_after(world):
     headers = {"Authorization": "Bearer key-b"}
     body = {"model": "tenant-b", "prompt": "hello there", "max_tokens": 40, "ignore_eos": True}
-    assert httpx.post(f"{world.public.url}/v1/completions", json=body, headers=headers).status_code == 200
-    refused = httpx.post(f"{world.public.url}/v1/completions", json=body, headers=headers)
+    post = lambda: httpx.post(f"{world.public.url}/v1/completions", json=body, headers=headers, timeout=120)  # noqa: E731
+    assert post().status_code == 200
+    refused = post()
     assert refused.status_code == 429 and 1 <= int(refused.headers["retry-after"]) <= 60
     assert "tokens per minute" in refused.json()["error"]["message"]
 
@@ -177,6 +178,7 @@ async def test_32_concurrent_streams_across_adapters(world):
 
 def test_a_version_swap_during_a_stream_loop_fails_no_request(world, engine):
     assert world.put("chat", world.published["chat-v2"]).status_code == 200  # beside v1
+    # v1 is unloaded during the loop: its greedy answer is taken while it is still loaded
     on_v1 = asyncio.run(engine_text(engine, engine.engine.tokenizer.encode("hi"), "chat@v1", 6))
     results, served, errors, stop = [], [], [], threading.Event()
 
