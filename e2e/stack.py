@@ -92,10 +92,11 @@ class Stack:
         assert result.returncode == 0, f"helm {' '.join(args)}:\n{result.stdout}\n{result.stderr}"
         return result.stdout
 
-    def install_chart(self) -> str:
+    def install_chart(self, *extra: str) -> str:
         return self.helm("install", RELEASE, str(CHART), "--namespace", self.namespace,
                          "--set", "operator.driftCheckIntervalSeconds=5",
-                         "--set-json", f"operator.policy.allowedS3Endpoints={json.dumps([self.s3.url])}")  # fmt: skip
+                         "--set-json", f"operator.policy.allowedS3Endpoints={json.dumps([self.s3.url])}",
+                         *extra)  # fmt: skip
 
     def secret(self, name: str, data: dict[str, str], labeled: bool = True) -> None:
         """A Secret; ``labeled``: carries the label that lets the operator use it."""

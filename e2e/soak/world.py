@@ -15,7 +15,7 @@ from pathlib import Path
 
 from e2e.stack import POD_START, RELEASE, Stack, build_stack, condition, wait_for
 from loraplane.artifacts.base_hash import compute_base_hash
-from tests.controlplane.cluster import REPO_ROOT, ControlPlane
+from tests.controlplane.cluster import REPO_ROOT, ControlPlane, free_port
 from tests.controlplane.fixtures import create_namespace
 from tests.controlplane.kubelet import Kubelet
 from tests.controlplane.processes import ProcessRuntime
@@ -53,7 +53,9 @@ def started_stack(
                 plane, namespace, workdir / "stack", s3, model_dir, compute_base_hash(model_dir)
             )
             try:
-                stack.install_chart()
+                # The operator's metrics listen on every address (a Pod has its own network); here all Pods
+                # share the host's, so the port must be one no other process holds.
+                stack.install_chart("--set", f"metrics.port={free_port()}")
                 plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
                 # Pods run this checkout's sources, whatever the environment's editable install points at.
                 env = {"PYTHONPATH": str(REPO_ROOT / "src")}

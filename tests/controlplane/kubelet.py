@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -28,11 +29,25 @@ MERGE_PATCH = "application/merge-patch+json"
 _addresses = itertools.count(2)  # 127.0.0.N, unique across the test session
 
 
-def next_address() -> str:
-    n = next(_addresses)
-    if n > 250:
-        raise RuntimeError("out of 127.0.0.N addresses for stand-in Pods")
-    return f"127.0.0.{n}"
+def _free(ip: str, ports: list[int]) -> bool:
+    for port in ports:
+        with socket.socket() as sock:
+            try:
+                sock.bind((ip, port))
+            except OSError:
+                return False
+    return True
+
+
+def next_address(ports: list[int] = ()) -> str:
+    """The next 127.0.0.N whose ``ports`` are free: other processes (another test session, a soak) run
+    stand-in Pods on loopback too, and count from the same start."""
+    for n in _addresses:
+        if n > 250:
+            raise RuntimeError("out of 127.0.0.N addresses for stand-in Pods")
+        if _free(f"127.0.0.{n}", ports):
+            return f"127.0.0.{n}"
+    raise AssertionError("unreachable")
 
 
 class Handle(Protocol):
@@ -185,7 +200,8 @@ class Kubelet:
         )
         if status != 201:
             raise RuntimeError(f"binding {name}: {status} {body[:200]!r}")
-        ip = next_address()
+        ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or ()]
+        ip = next_address(ports)
         handle = self.runtime(pod, ip)
         with self._lock:
             self.running[name] = Running(pod, ip, handle, _now())
