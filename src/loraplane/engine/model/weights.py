@@ -101,9 +101,14 @@ def load_model(model_dir: str | Path, cfg: ModelConfig, device: torch.device, dt
                     )
                 target.copy_(tensor)
                 loaded.add(name)
+    return finish_loading(model, layout, loaded, model_dir)
+
+
+def finish_loading(model: CausalLM, layout: dict, loaded: set[str], where) -> CausalLM:
+    """Refuse a checkpoint that left any tensor of ``layout`` unset, then tie and freeze the model."""
     missing = sorted(set(layout) - loaded)
     if missing:
-        raise WeightsError(f"{model_dir}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise WeightsError(f"{where}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     model.tie_weights()
     return model.eval().requires_grad_(False)
 

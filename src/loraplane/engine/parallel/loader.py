@@ -18,6 +18,7 @@ from loraplane.engine.model.weights import (
     _IGNORED_SUFFIXES,
     WeightsError,
     fill_random,
+    finish_loading,
     hf_layout,
     hf_state_dict,
     safetensors_files,
@@ -89,11 +90,7 @@ def _fill(model: CausalLM, cfg: ModelConfig, tp: TPGroup, sources, where: str) -
             )
         target.copy_(tensor)
         loaded.add(name)
-    missing = sorted(set(layout) - loaded)
-    if missing:
-        raise WeightsError(f"{where}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    model.tie_weights()
-    return model.eval().requires_grad_(False)
+    return finish_loading(model, layout, loaded, where)
 
 
 def load_sharded_model(model_dir: str | Path, cfg: ModelConfig, tp: TPGroup, device: torch.device,
