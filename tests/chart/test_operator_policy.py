@@ -17,12 +17,19 @@ def _policy(rendered) -> OperatorPolicy:
     return policy_of(_parser().parse_args(args[1:]))
 
 
-def test_default_values_allow_aws_and_the_project_registry_only(helm_bins):
+def test_default_values_allow_aws_the_project_registry_and_gpu_placement_only(helm_bins):
     policy = _policy(template(helm_bins["helm4"]))
-    assert policy == OperatorPolicy()
+    gpu_placement = {"allowed_tolerations": ("nvidia.com/gpu",),
+                     "allowed_node_labels": ("nvidia.com/gpu.present", "nvidia.com/gpu.product")}  # fmt: skip
+    assert policy == OperatorPolicy(**gpu_placement)
     assert (
         policy.allowed_s3_endpoints == () and policy.host_path_prefix is None and policy.server_image is None
     )
+    assert not (
+        policy.allowed_priority_classes or policy.allowed_service_accounts or policy.allowed_runtime_classes
+    )
+    example = yaml.safe_load((CHART.parent.parent / "examples" / "lorabase.yaml").read_text())
+    policy.check_placement(example["spec"])  # the example's GPU nodeSelector and toleration pass
 
 
 def test_ci_values_reach_the_operator(helm_bins):
@@ -33,6 +40,11 @@ def test_ci_values_reach_the_operator(helm_bins):
     assert policy.allowed_s3_endpoints == tuple(want["allowedS3Endpoints"])
     assert policy.host_path_prefix == want["hostPathPrefix"]
     assert policy.allowed_registries == tuple(want["allowedRegistries"])
+    for value, field_ in (("allowedTolerations", "allowed_tolerations"), ("allowedNodeLabels", "allowed_node_labels"),
+                          ("allowedPriorityClasses", "allowed_priority_classes"),
+                          ("allowedServiceAccounts", "allowed_service_accounts"),
+                          ("allowedRuntimeClasses", "allowed_runtime_classes")):  # fmt: skip
+        assert getattr(policy, field_) == tuple(want[value]), value
     server = values["serverImage"]
     assert policy.server_image == f"{server['repository']}:{server['tag']}"  # pinServerImage: true
     example = rendered.one("LoRABase")

@@ -162,8 +162,18 @@ def test_host_cache_and_scheduling():
         nodeSelector={"gpu": "h200"},
         tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}],
         affinity={"nodeAffinity": {}},
+        priorityClassName="inference-high",
+        serviceAccountName="adapter-reader",
+        runtimeClassName="nvidia",
     )
     pod = deployment(b)["spec"]["template"]["spec"]
+    assert (pod["priorityClassName"], pod["serviceAccountName"], pod["runtimeClassName"]) == (
+        "inference-high", "adapter-reader", "nvidia")  # fmt: skip
+    assert pod["automountServiceAccountToken"] is False, (
+        "a named ServiceAccount lends its identity, not a token"
+    )
+    bare = deployment(base())["spec"]["template"]["spec"]
+    assert not {"priorityClassName", "serviceAccountName", "runtimeClassName"} & set(bare)
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["host-cache"]["hostPath"]["path"] == "/mnt/lora"
     assert pod["nodeSelector"] == {"gpu": "h200"}

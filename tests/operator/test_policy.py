@@ -90,6 +90,101 @@ def test_image_rule():
     assert _violation(pinned.server_image_for, "ghcr.io/loraplane/x:1", default).reason == P.IMAGE_NOT_ALLOWED
 
 
+PLACEMENT = P.OperatorPolicy(
+    allowed_tolerations=("nvidia.com/gpu", "dedicated"),
+    allowed_node_labels=("nvidia.com/gpu.product", "kubernetes.io/hostname", "topology.kubernetes.io/zone"),
+    allowed_priority_classes=("inference-high",),
+    allowed_service_accounts=("adapter-reader",),
+    allowed_runtime_classes=("nvidia",),
+)
+_REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+_PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
+
+
+def _node_affinity(key: str, part: str = "matchExpressions") -> dict:
+    return {"nodeAffinity": {_REQUIRED: {"nodeSelectorTerms": [{part: [{"key": key, "operator": "In",
+                                                                         "values": ["x"]}]}]}}}  # fmt: skip
+
+
+def _pod_affinity(kind: str, **term) -> dict:
+    return {kind: {_PREFERRED: [{"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname",
+                                                                  "labelSelector": {}, **term}}]}}  # fmt: skip
+
+
+def test_placement_within_the_allow_lists_passes():
+    PLACEMENT.check_placement({})
+    PLACEMENT.check_placement({
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                        {"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+        "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H200"},
+        "affinity": {**_node_affinity("topology.kubernetes.io/zone"),
+                     **_pod_affinity("podAntiAffinity")},
+        "priorityClassName": "inference-high", "serviceAccountName": "adapter-reader", "runtimeClassName": "nvidia",
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "spec, field_, says",
+    [
+        ({"tolerations": [{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]},
+         "spec.tolerations[0].key", "allowedTolerations"),
+        ({"tolerations": [{"key": "dedicated"}, {"operator": "Exists"}]},
+         "spec.tolerations[1].key", "every taint"),
+        ({"nodeSelector": {"nvidia.com/gpu.product": "H200", "team": "other"}},
+         "spec.nodeSelector.team", "allowedNodeLabels"),
+        ({"affinity": _node_affinity("team")},
+         f"spec.affinity.nodeAffinity.{_REQUIRED}.nodeSelectorTerms[0].matchExpressions[0].key", "allowedNodeLabels"),
+        ({"affinity": _node_affinity("metadata.name", "matchFields")},
+         f"spec.affinity.nodeAffinity.{_REQUIRED}.nodeSelectorTerms[0].matchFields[0].key", "allowedNodeLabels"),
+        ({"affinity": {"nodeAffinity": {_PREFERRED: [{"weight": 1, "preference": {
+            "matchExpressions": [{"key": "team", "operator": "Exists"}]}}]}}},
+         f"spec.affinity.nodeAffinity.{_PREFERRED}[0].preference.matchExpressions[0].key", "allowedNodeLabels"),
+        ({"affinity": _pod_affinity("podAffinity", namespaces=["victim"])},
+         f"spec.affinity.podAffinity.{_PREFERRED}[0].podAffinityTerm.namespaces", "own namespace"),
+        ({"affinity": _pod_affinity("podAntiAffinity", namespaceSelector={})},
+         f"spec.affinity.podAntiAffinity.{_PREFERRED}[0].podAffinityTerm.namespaceSelector", "own namespace"),
+        ({"affinity": {"podAffinity": {_REQUIRED: [{"topologyKey": "kubernetes.io/hostname",
+                                                    "namespaces": ["victim"]}]}}},
+         f"spec.affinity.podAffinity.{_REQUIRED}[0].namespaces", "own namespace"),
+        ({"affinity": {"nodeAfinity": {}}}, "spec.affinity.nodeAfinity", "unknown affinity"),
+        ({"priorityClassName": "system-node-critical"}, "spec.priorityClassName", "allowedPriorityClasses"),
+        ({"serviceAccountName": "operator-admin"}, "spec.serviceAccountName", "allowedServiceAccounts"),
+        ({"runtimeClassName": "privileged-vm"}, "spec.runtimeClassName", "allowedRuntimeClasses"),
+    ],
+)  # fmt: skip
+def test_placement_outside_the_allow_lists_is_refused_by_field(spec, field_, says):
+    err = _violation(PLACEMENT.check_placement, spec)
+    assert err.reason == P.PLACEMENT_NOT_ALLOWED and err.field == field_
+    assert says in err.message
+
+
+def test_a_bare_operator_allows_no_placement():
+    bare = P.OperatorPolicy()
+    for spec in ({"tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists"}]},
+                 {"nodeSelector": {"nvidia.com/gpu.present": "true"}}, {"affinity": _node_affinity("kubernetes.io/hostname")},
+                 {"priorityClassName": "a"}, {"serviceAccountName": "a"}, {"runtimeClassName": "a"}):  # fmt: skip
+        assert _violation(bare.check_placement, spec).reason == P.PLACEMENT_NOT_ALLOWED, spec
+    bare.check_placement({"affinity": _pod_affinity("podAntiAffinity")})  # own namespace: no reach borrowed
+
+
+def test_placement_flags_make_the_policy_and_refuse_malformed_names():
+    args = _parser().parse_args(["run", "-n", "a", "--allowed-toleration", "nvidia.com/gpu",
+                                 "--allowed-node-label", "topology.kubernetes.io/zone",
+                                 "--allowed-priority-class", "high", "--allowed-service-account", "reader",
+                                 "--allowed-runtime-class", "nvidia"])  # fmt: skip
+    policy = policy_of(args)
+    assert policy.allowed_tolerations == ("nvidia.com/gpu",)
+    assert policy.allowed_node_labels == ("topology.kubernetes.io/zone",)
+    assert (policy.allowed_priority_classes, policy.allowed_service_accounts, policy.allowed_runtime_classes) == (
+        ("high",), ("reader",), ("nvidia",))  # fmt: skip
+    for flag, bad in (("--allowed-toleration", "a b"), ("--allowed-node-label", "/x"),
+                      ("--allowed-priority-class", "High"), ("--allowed-service-account", "a/b"),
+                      ("--allowed-runtime-class", "-x")):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_:
+            main(["run", "-n", "a", flag, bad])
+        assert exit_.value.code == 2, flag
+
+
 def test_cli_flags_make_the_policy():
     args = _parser().parse_args(["run", "-n", "a", "--allowed-s3-endpoint", "http://minio:9000",
                                  "--host-path-prefix", "/var/cache/lp", "--server-image", "r.io/s:1"])  # fmt: skip
@@ -193,9 +288,17 @@ def test_each_rule_against_the_api_server(world, artifacts, listener):
         lambda s: s.update(hostCache={"type": "hostPath", "path": "/etc"}),
     )
     base("foreign-image", P.IMAGE_NOT_ALLOWED, lambda s: s.update(image="evil.example.com/miner:1"))
-    base("good", "", lambda s: s.update(hostCache={"type": "hostPath", "path": "/var/cache/loraplane/good"}))
+    base("control-plane-toleration", P.PLACEMENT_NOT_ALLOWED, lambda s: s.update(
+        tolerations=[{"key": "node-role.kubernetes.io/control-plane", "operator": "Exists"}]))  # fmt: skip
+    base("borrowed-account", P.PLACEMENT_NOT_ALLOWED, lambda s: s.update(serviceAccountName="operator-admin"))
+    base("good", "", lambda s: s.update(hostCache={"type": "hostPath", "path": "/var/cache/loraplane/good"},
+                                        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}],
+                                        serviceAccountName="adapter-reader"))  # fmt: skip
     policy = P.OperatorPolicy(
-        allowed_s3_endpoints=tuple(sorted(TEST_ENDPOINTS)), host_path_prefix="/var/cache/loraplane"
+        allowed_s3_endpoints=tuple(sorted(TEST_ENDPOINTS)),
+        host_path_prefix="/var/cache/loraplane",
+        allowed_tolerations=("nvidia.com/gpu",),
+        allowed_service_accounts=("adapter-reader",),
     )
     with OperatorThread(world, policy=policy):
         world.create_adapter("via-rogue", artifacts.uris["v1"], "v1", base="rogue-endpoint")
@@ -203,6 +306,11 @@ def test_each_rule_against_the_api_server(world, artifacts, listener):
         good = wait_for(lambda: world.get("Deployment", "good"), what="the compliant base's Deployment")
         volume = next(v for v in good["spec"]["template"]["spec"]["volumes"] if v["name"] == "host-cache")
         assert volume["hostPath"]["path"] == "/var/cache/loraplane/good"
+        pod_spec = good["spec"]["template"]["spec"]
+        assert (
+            pod_spec["serviceAccountName"] == "adapter-reader"
+            and pod_spec["tolerations"][0]["key"] == "nvidia.com/gpu"
+        )
         for name, reason in cases.items():
             if not reason:
                 continue

@@ -240,6 +240,11 @@ def build_pod_template(base: dict, spec: BaseSpec, image: str | None = None, rou
             pod_spec[key] = value
     if spec.affinity:
         pod_spec["affinity"] = spec.affinity
+    for key, value in (("priorityClassName", spec.priority_class_name),
+                       ("serviceAccountName", spec.service_account_name),
+                       ("runtimeClassName", spec.runtime_class_name)):  # fmt: skip
+        if value:
+            pod_spec[key] = value
     template = {"metadata": {"labels": labels(base["metadata"]["name"])}, "spec": pod_spec}
     template["metadata"]["annotations"] = {TEMPLATE_HASH: template_hash(template)}
     return template

@@ -27,6 +27,11 @@ def policy_of(args) -> OperatorPolicy:
         host_path_prefix=args.host_path_prefix,
         allowed_registries=tuple(args.allowed_registry) or DEFAULT_REGISTRIES,
         server_image=args.server_image,
+        allowed_tolerations=tuple(args.allowed_toleration),
+        allowed_node_labels=tuple(args.allowed_node_label),
+        allowed_priority_classes=tuple(args.allowed_priority_class),
+        allowed_service_accounts=tuple(args.allowed_service_account),
+        allowed_runtime_classes=tuple(args.allowed_runtime_class),
     )
 
 
@@ -82,6 +87,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="IMAGE",
         help="pin every server pod to IMAGE; LoRABases may leave spec.image empty or name it",
     )
+    for flag, what in (
+        ("--allowed-toleration", "a taint key LoRABases' pods may tolerate (spec.tolerations[].key)"),
+        ("--allowed-node-label", "a node label key spec.nodeSelector and spec.affinity.nodeAffinity may use"),
+        ("--allowed-priority-class", "a PriorityClass spec.priorityClassName may name"),
+        ("--allowed-service-account", "a ServiceAccount spec.serviceAccountName may name"),
+        ("--allowed-runtime-class", "a RuntimeClass spec.runtimeClassName may name"),
+    ):
+        policy.add_argument(
+            flag, action="append", default=[], metavar="NAME", help=f"{what} (repeatable; none: not at all)"
+        )
     run.add_argument(
         "--gateway-inference-extension",
         action="store_true",

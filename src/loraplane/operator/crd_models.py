@@ -71,6 +71,8 @@ def quantity_bytes(value: str | int, field_: str = "quantity") -> int:
 
 
 Name = Annotated[str, Field(pattern=NAME_PATTERN, max_length=NAME_MAX)]
+# A DNS-1123 subdomain: the name of a PriorityClass, RuntimeClass or ServiceAccount.
+Subdomain = Annotated[str, Field(pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$", max_length=253)]
 # Parsed to bytes; the API and the schema keep the string.
 Bytes = Annotated[str, Field(pattern=QUANTITY_PATTERN), AfterValidator(quantity_bytes)]
 S3_URI = Rule("self.startsWith('s3://') && size(self) > 5", "must be an s3://bucket/prefix/ URI",
@@ -266,6 +268,11 @@ class LoRABaseSpec(ApiModel):
         default_factory=list, description="Pod tolerations (core/v1 Toleration)."
     )
     affinity: FreeForm = Field(default_factory=dict, description="Pod affinity (core/v1 Affinity).")
+    priority_class_name: Subdomain | None = Field(None, description="Pod priorityClassName.")
+    service_account_name: Subdomain | None = Field(
+        None, description="Pod serviceAccountName (its token is not mounted: the server never calls the API)."
+    )
+    runtime_class_name: Subdomain | None = Field(None, description="Pod runtimeClassName.")
 
     # The flat names the builders and reconcilers read.
     model_uri = property(lambda self: self.model.uri)

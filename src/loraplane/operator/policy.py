@@ -2,7 +2,7 @@
 
 Whoever may write a LoRABase must not borrow the operator's reach: its credentials (sent to an S3
 endpoint), its right to read Secrets (mounted into pods or used to sign S3 requests), the nodes' file
-systems (hostPath) and the image pods run. Four rules, each a setting of ``loraplane operator run`` that
+systems (hostPath), the image pods run and where and as whom they run. Five rules, each a setting of ``loraplane operator run`` that
 the Helm chart exposes (``operator.policy``):
 
 - S3 endpoints: ``spec.storage.endpoint`` must be one of ``--allowed-s3-endpoint``; with none set, only
@@ -12,7 +12,9 @@ the Helm chart exposes (``operator.policy``):
 - hostPath caches: only at or under ``--host-path-prefix`` (normalized; never ``/`` in any spelling); without
   it, none;
 - images: only from ``--allowed-registry`` prefixes, or exactly ``--server-image`` when the operator
-  pins one (then a LoRABase may leave ``spec.image`` empty, at the CRD default, or name that image).
+  pins one (then a LoRABase may leave ``spec.image`` empty, at the CRD default, or name that image);
+- placement (tolerations, nodeSelector, affinity, priorityClassName, serviceAccountName, runtimeClassName):
+  only what the ``--allowed-*`` lists name (placement_policy.py); without them, none.
 
 A LoRABase that breaks a rule gets a condition whose reason names the rule, and no object is created
 or changed for it; adapters on it are not validated, since that would use its endpoint and Secret.
@@ -25,6 +27,9 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from loraplane.operator import placement_policy
+from loraplane.operator.placement_policy import PLACEMENT_NOT_ALLOWED
+
 SECRET_LABEL = "loraplane.dev/use"
 DEFAULT_REGISTRIES = ("ghcr.io/loraplane",)
 
@@ -33,7 +38,15 @@ ENDPOINT_NOT_ALLOWED = "EndpointNotAllowed"
 SECRET_NOT_LABELED = "SecretNotLabeled"
 HOST_PATH_NOT_ALLOWED = "HostPathNotAllowed"
 IMAGE_NOT_ALLOWED = "ImageNotAllowed"
-RULES = frozenset({ENDPOINT_NOT_ALLOWED, SECRET_NOT_LABELED, HOST_PATH_NOT_ALLOWED, IMAGE_NOT_ALLOWED})
+RULES = frozenset(
+    {
+        ENDPOINT_NOT_ALLOWED,
+        SECRET_NOT_LABELED,
+        HOST_PATH_NOT_ALLOWED,
+        IMAGE_NOT_ALLOWED,
+        PLACEMENT_NOT_ALLOWED,
+    }
+)
 
 _AWS_ENDPOINT = re.compile(r"^https://s3(-fips)?(\.dualstack)?(\.[a-z0-9-]+)?\.amazonaws\.com(\.cn)?$")
 _IMAGE = re.compile(r"^[a-z0-9][a-z0-9._:/@+-]{0,254}$", re.IGNORECASE)
@@ -87,6 +100,12 @@ class OperatorPolicy:
     host_path_prefix: str | None = None  # None: hostPath caches are refused
     allowed_registries: tuple[str, ...] = DEFAULT_REGISTRIES  # image prefixes, e.g. ghcr.io/loraplane
     server_image: str | None = None  # pinned: every server pod runs exactly this image
+    # Placement allow-lists (placement_policy.py); empty: a LoRABase may not set the field.
+    allowed_tolerations: tuple[str, ...] = ()  # toleration keys
+    allowed_node_labels: tuple[str, ...] = ()  # node label keys for nodeSelector and node affinity
+    allowed_priority_classes: tuple[str, ...] = ()
+    allowed_service_accounts: tuple[str, ...] = ()
+    allowed_runtime_classes: tuple[str, ...] = ()
 
     def __post_init__(self):
         try:
@@ -107,6 +126,9 @@ class OperatorPolicy:
         object.__setattr__(self, "allowed_registries", registries)
         if self.server_image is not None and not _IMAGE.match(self.server_image):
             raise ValueError(f"--server-image {self.server_image!r} is not an image reference")
+        for kind in placement_policy.FLAGS:
+            name = f"allowed_{kind}"
+            object.__setattr__(self, name, placement_policy.checked_entries(kind, getattr(self, name)))
 
     # --- the rules ----------------------------------------------------------------------------------
     def check_endpoint(self, endpoint: str | None) -> None:
@@ -178,6 +200,12 @@ class OperatorPolicy:
                 "(operator.policy.allowedRegistries)",
             )
         return image
+
+    def check_placement(self, raw_spec: dict) -> None:
+        """Every placement field of a raw LoRABase spec within the allow-lists; the first breach raises."""
+        allow = {kind: getattr(self, f"allowed_{kind}") for kind in placement_policy.FLAGS}
+        for field_, message in placement_policy.violations(raw_spec, allow):
+            raise PolicyViolation(PLACEMENT_NOT_ALLOWED, field_, message)
 
     @staticmethod
     def check_secret_labels(field_: str, name: str, labels: dict | None) -> None:

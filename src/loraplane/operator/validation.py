@@ -94,6 +94,7 @@ async def check_base_policy(ctx: Context, namespace: str, base: dict, spec: Base
         policy.check_endpoint(spec.storage.endpoint)
         policy.check_host_path(spec.host_cache_type, spec.host_cache_path)
         image = policy.server_image_for((base.get("spec") or {}).get("image"), DEFAULT_IMAGE)
+        policy.check_placement(base.get("spec") or {})
     except PolicyViolation as exc:
         raise ValidationFailed(exc.reason, str(exc)) from None
     for field_, name in referenced_secrets(spec):
