@@ -3,8 +3,10 @@
 The controller manager turns Deployments into ReplicaSets and Pods; nothing schedules or runs them. ``Kubelet``
 does, for one namespace: it binds pending Pods to the Node ``stand-in``, gives each its own loopback address
 (127.0.0.N, so Pod IPs differ), asks a ``Runtime`` to start the Pod (a real ``loraplane serve`` process, or a
-fake admin server in the operator tests), and writes ``status.podIP``, container statuses and the Ready
-condition from the runtime's readiness. A Pod being deleted has its process stopped before the deletion is
+fake admin server in the operator tests), and writes ``status.podIP``, container statuses and the
+ContainersReady condition from the runtime's readiness; Ready also waits for the Pod's ``readinessGates``
+(conditions someone else sets on its status), as a kubelet's status manager does. Status is written as a
+strategic merge patch, so conditions it does not own stay. A Pod being deleted has its process stopped before the deletion is
 confirmed, as a kubelet does; ``kill(name)`` stops a process on demand and evicts its Pod, so the ReplicaSet
 replaces it.
 
@@ -26,6 +28,7 @@ from typing import Any, Protocol
 
 NODE = "stand-in"
 MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"  # conditions merge by type
 _addresses = itertools.count(2)  # 127.0.0.N, unique across the test session
 
 
@@ -66,6 +69,7 @@ class Running:
     handle: Handle
     started: str
     ready: bool | None = None
+    containers_ready: bool | None = None
     alive: bool = True
 
 
@@ -92,6 +96,13 @@ def ensure_node(plane) -> None:
         "allocatable": {"cpu": "64", "memory": "256Gi", "pods": "250"},
     }}  # fmt: skip
     plane.request("PATCH", f"/api/v1/nodes/{NODE}/status", node_status, content_type=MERGE_PATCH)
+
+
+def _gates_open(pod: dict) -> bool:
+    """Every readiness gate of the Pod has its condition True (none: open)."""
+    gates = [g.get("conditionType") for g in (pod.get("spec") or {}).get("readinessGates") or []]
+    have = {c.get("type"): c.get("status") for c in (pod.get("status") or {}).get("conditions") or []}
+    return all(have.get(gate) == "True" for gate in gates)
 
 
 class Kubelet:
@@ -179,7 +190,7 @@ class Kubelet:
             if pod["metadata"].get("deletionTimestamp"):
                 self._finish_deletion(name, pod)
             elif name in self.running:
-                self._report(name)
+                self._report(name, pod)
             elif not pod["spec"].get("nodeName") and self._may_start():
                 self._start(name, pod)
 
@@ -207,15 +218,16 @@ class Kubelet:
             self.running[name] = Running(pod, ip, handle, _now())
         self._report(name)
 
-    def _report(self, name: str) -> None:
+    def _report(self, name: str, pod: dict | None = None) -> None:
         running = self.running.get(name)
         if running is None:
             return
         alive = running.handle.alive()
-        ready = alive and running.handle.ready()
-        if ready == running.ready and alive == running.alive:
+        containers_ready = alive and running.handle.ready()
+        ready = containers_ready and _gates_open(pod or running.pod)
+        if (ready, containers_ready, alive) == (running.ready, running.containers_ready, running.alive):
             return
-        running.ready, running.alive = ready, alive
+        running.ready, running.containers_ready, running.alive = ready, containers_ready, alive
         containers = running.pod["spec"]["containers"]
         state = {"running": {"startedAt": running.started}} if alive else {
             "terminated": {"exitCode": 1, "reason": "Error", "finishedAt": _now()}}  # fmt: skip
@@ -224,19 +236,20 @@ class Kubelet:
         self._patch_status(name, {
             "phase": "Running", "hostIP": "127.0.0.1", "hostIPs": [{"ip": "127.0.0.1"}],
             "podIP": running.ip, "podIPs": [{"ip": running.ip}], "startTime": running.started,
-            "conditions": self._conditions(ready, running.started), "containerStatuses": statuses,
+            "conditions": self._conditions(ready, running.started, containers_ready), "containerStatuses": statuses,
         })  # fmt: skip
 
-    def _conditions(self, ready: bool, started: str) -> list[dict]:
+    def _conditions(self, ready: bool, started: str, containers_ready: bool | None = None) -> list[dict]:
         flag = "True" if ready else "False"
+        containers = flag if containers_ready is None else ("True" if containers_ready else "False")
         return [{"type": "PodScheduled", "status": "True", "lastTransitionTime": started},
                 {"type": "Initialized", "status": "True", "lastTransitionTime": started},
-                {"type": "ContainersReady", "status": flag, "lastTransitionTime": _now()},
+                {"type": "ContainersReady", "status": containers, "lastTransitionTime": _now()},
                 {"type": "Ready", "status": flag, "lastTransitionTime": _now()}]  # fmt: skip
 
     def _patch_status(self, name: str, status: dict) -> None:
         path = f"/api/v1/namespaces/{self.namespace}/pods/{name}/status"
-        code, body = self.plane.request("PATCH", path, {"status": status}, content_type=MERGE_PATCH)
+        code, body = self.plane.request("PATCH", path, {"status": status}, content_type=STRATEGIC_MERGE_PATCH)
         if code not in (200, 404):
             raise RuntimeError(f"status of {name}: {code} {body[:200]!r}")
 

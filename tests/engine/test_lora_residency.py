@@ -4,6 +4,7 @@ unload, tier accounting, nothing held or pinned is ever evicted, an alias switch
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -187,3 +188,41 @@ async def test_warm_fails_on_non_finite_logits(tiny_llama_dir, folders, tmp_path
         assert info.state == "failed" and "WarmFailed" in info.error
     finally:
         await engine.aclose()
+
+
+async def test_an_unload_waits_for_a_request_still_queued_for_the_engine_thread(tiny_llama_dir, folders):
+    """A request submitted just before its version is unloaded runs on that version: the step's end that
+    frees unloading versions (poll) comes between the submission and the engine thread taking the request,
+    here on purpose: the engine thread is held, and the test runs that poll itself."""
+    engine = AsyncEngine(engine_for(tiny_llama_dir))
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_engine_thread():
+        held.set()
+        release.wait(30)
+
+    try:
+        await engine.load_adapter("n", "v1", folders["a0"], "d0")
+        await engine.warm_adapter("n", "v1")
+        await engine.set_alias("n", "v1")
+        expected = await collect(engine.add_request(PROMPT, GREEDY, adapter="n@v1"))
+        blocked = engine._on_engine_thread(hold_the_engine_thread)
+        assert await asyncio.to_thread(held.wait, 30)
+        stream = engine.add_request(PROMPT, GREEDY, adapter=engine.resolve("n"))  # queued: the thread is held
+        lora = engine.engine.adapters
+        lora.mark_unloading("n", "v1")  # what unload_adapter does first (its poll waits for the thread)
+        lora.poll()  # a step's end on the engine thread: frees unloading versions that nothing holds
+        assert lora.is_registered("n@v1"), "freed under a request already submitted"
+        with pytest.raises(AdapterError):
+            engine.add_request(PROMPT, GREEDY, adapter="n@v1")  # new requests are refused at once
+        release.set()
+        await blocked
+        assert await collect(stream) == expected
+        for _ in range(200):  # freed right after the request's last step
+            if engine.tier_of("n@v1") is None:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.tier_of("n@v1") is None
+    finally:
+        release.set()
+        engine.close()

@@ -44,7 +44,11 @@ class OperatorThread:
     """The operator, in a thread, authenticated as the chart's ServiceAccount of ``world``'s namespace."""
 
     def __init__(self, world: World, tunables: Tunables | None = None, policy: OperatorPolicy | None = None):
-        policy = policy or OperatorPolicy(allowed_s3_endpoints=tuple(sorted(TEST_ENDPOINTS)))
+        policy = policy or OperatorPolicy(  # the chart's default placement: the GPU taint and node labels
+            allowed_s3_endpoints=tuple(sorted(TEST_ENDPOINTS)),
+            allowed_tolerations=("nvidia.com/gpu",),
+            allowed_node_labels=("nvidia.com/gpu.present", "nvidia.com/gpu.product"),
+        )
         kube = Kube(world.plane.api_client(token=world.operator_token()))
         self.ctx = Context(kube, tunables or fast_tunables(), policy=policy)
         self.namespace = world.ns
@@ -155,6 +159,7 @@ class World:
         self.plane, self.ns, self.s3, self.keys, self.base_hash = plane, namespace, s3, keys, base_hash
         self.max_rank = max_rank
         self.pods: dict[str, FakePod] = {}  # pod name -> fake server
+        self.new_pod_fail: str | None = None  # FakePod.fail of the next Pods the kubelet starts
         TEST_ENDPOINTS.add(s3.url)
         rbac = render_operator_rbac(namespace)
         for doc in rbac:
@@ -179,6 +184,7 @@ class World:
 
     def _container(self, pod: dict, ip: str) -> FakeContainer:
         container = FakeContainer(pod, ip, TOKEN, self.base_hash)
+        container.fake.fail = self.new_pod_fail
         self.pods[container.name] = container.fake
         return container
 

@@ -15,6 +15,7 @@ import json
 import secrets as _secrets
 
 from loraplane.operator.crd_models import API_VERSION, BaseSpec
+from loraplane.operator.pods import ADAPTERS_GATE
 from loraplane.operator.policy import SECRET_LABEL
 
 OPENAI_PORT = 8000
@@ -233,6 +234,8 @@ def build_pod_template(base: dict, spec: BaseSpec, image: str | None = None, rou
         "containers": [container],
         "volumes": volumes,
         "automountServiceAccountToken": False,  # the server never calls the Kubernetes API
+        # Ready (a Service's endpoint) only once the operator has loaded its adapters (readiness_gate.py).
+        "readinessGates": [{"conditionType": ADAPTERS_GATE}],
         "terminationGracePeriodSeconds": 60,
     }
     for key, value in (("nodeSelector", spec.node_selector), ("tolerations", spec.tolerations)):

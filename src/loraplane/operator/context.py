@@ -31,9 +31,10 @@ class Tunables:
     admin_read_timeout: float = 60.0
     s3_attempts: int = 3
     pod_concurrency: int = 64  # admin calls in flight, operator-wide
+    gate_timeout: float = 600.0  # seconds a pod's readiness gate waits for its adapters (readiness_gate.py)
 
     def __post_init__(self):
-        for name in ("drift_interval", "poll_interval", "retry_delay", "max_retry_delay"):
+        for name in ("drift_interval", "poll_interval", "retry_delay", "max_retry_delay", "gate_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Tunables.{name} must be > 0")
         if self.pod_concurrency < 1 or self.s3_attempts < 1:

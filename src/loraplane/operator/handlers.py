@@ -14,7 +14,7 @@ import logging
 
 import kopf
 
-from loraplane.operator import reconcile_adapter, reconcile_base
+from loraplane.operator import readiness_gate, reconcile_adapter, reconcile_base
 from loraplane.operator.builders import BASE_LABEL
 from loraplane.operator.crd_models import ADAPTER_PLURAL, BASE_PLURAL, GROUP, VERSION
 from loraplane.operator.kube import custom_ref
@@ -98,6 +98,12 @@ def adapters_by_base(namespace, name, body, **_):
     return {(namespace, _base_of(body)): name}
 
 
+@kopf.index(GROUP, VERSION, ADAPTER_PLURAL)
+def adapter_gate_entries(namespace, name, body, **_):
+    """What a base's pods' readiness gates wait for (readiness_gate.py): placement and whether it is served."""
+    return {(namespace, _base_of(body)): readiness_gate.adapter_entry(name, body)}
+
+
 # --- wake-ups ----------------------------------------------------------------------------------------
 def _spec_changed(body) -> bool:
     return (body.get("metadata") or {}).get("generation") != (body.get("status") or {}).get(
@@ -151,11 +157,13 @@ async def _reconcile_loop(ctx, key, path: str, body, stopped, logger, one_pass) 
 
 
 @kopf.daemon(GROUP, VERSION, BASE_PLURAL, cancellation_timeout=10)
-async def base_daemon(stopped, body, namespace, name, memo, server_pods, logger, **_):
+async def base_daemon(stopped, body, namespace, name, memo, server_pods, adapter_gate_entries, logger, **_):
     ctx = memo.ctx
 
     async def one_pass(base: dict) -> float:
-        return await reconcile_base.reconcile(ctx, base, list(server_pods.get((namespace, name), ())))
+        pods = list(server_pods.get((namespace, name), ()))
+        adapters = list(adapter_gate_entries.get((namespace, name), ()))
+        return await reconcile_base.reconcile(ctx, base, pods, adapters)
 
     path = custom_ref(BASE_PLURAL, namespace, name).path()
     await _reconcile_loop(ctx, (BASE, namespace, name), path, body, stopped, logger, one_pass)

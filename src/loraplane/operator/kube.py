@@ -185,11 +185,12 @@ class Kube:
                 log.debug("conflict applying %s, re-reading", ref.path())
         raise RuntimeError(f"{ref.path()}: still conflicting after {CONFLICT_RETRIES} attempts")
 
-    async def patch_status(self, ref: Ref, status: dict) -> dict | None:
-        """Merge-patch ``status`` (no resourceVersion: the operator is the only status writer). None if gone."""
+    async def patch_status(self, ref: Ref, status: dict, content_type: str = MERGE_PATCH) -> dict | None:
+        """Merge-patch ``status`` (no resourceVersion: the operator is the only status writer of its own
+        objects; a pod's conditions take a strategic merge patch, which merges them by type). None if gone."""
         try:
             return await self.call(
-                "PATCH", ref.path("status"), body={"status": status}, content_type=MERGE_PATCH
+                "PATCH", ref.path("status"), body={"status": status}, content_type=content_type
             )
         except ApiException as exc:
             if exc.status == 404:

@@ -11,7 +11,7 @@ import asyncio
 
 from loraplane.operator import builders as B
 from loraplane.operator import conditions as C
-from loraplane.operator import metrics, routing
+from loraplane.operator import metrics, readiness_gate, routing
 from loraplane.operator.admin_client import AdminError, PodAddress
 from loraplane.operator.context import Context
 from loraplane.operator.crd_models import BASE_PLURAL, BaseSpec, SpecError
@@ -42,10 +42,13 @@ async def apply_objects(ctx: Context, base: dict, spec: BaseSpec, image: str | N
     return changed
 
 
-async def observed_hashes(ctx: Context, base: dict, spec: BaseSpec, pods: list[PodAddress]) -> dict[str, str]:
-    """Pod name -> the base hash it reports on /health/ready ("" when it does not answer)."""
+async def admin_token(ctx: Context, base: dict, spec: BaseSpec) -> str:
     data = await ctx.kube.secret_data(base["metadata"]["namespace"], B.admin_token_secret_name(base, spec))
-    token = (data or {}).get(B.admin_token_key(spec), "")
+    return (data or {}).get(B.admin_token_key(spec), "")
+
+
+async def observed_hashes(ctx: Context, pods: list[PodAddress], token: str) -> dict[str, str]:
+    """Pod name -> the base hash it reports on /health/ready ("" when it does not answer)."""
 
     async def ask(pod: PodAddress) -> tuple[str, str]:
         async with ctx.limit:
@@ -61,7 +64,7 @@ def base_status(base: dict, spec: BaseSpec, infos: list[PodInfo], hashes: dict[s
     generation = base["metadata"].get("generation", 0)
     now = C.now()
     live = [i for i in infos if not i.deleting]
-    ready = [i for i in live if i.ready]
+    ready = [i for i in live if i.routable]  # Ready: taking traffic (for a gated pod, its adapters loaded)
     wrong = sorted(name for name, h in hashes.items() if h and h != spec.model_sha256)
     reported = {h for h in hashes.values() if h}
     conds = []
@@ -107,8 +110,10 @@ def invalid_status(base: dict, reason: str, message: str) -> dict:
     }
 
 
-async def reconcile(ctx: Context, base: dict, infos: list[PodInfo]) -> float:
-    """One pass; returns the seconds until the next one."""
+async def reconcile(
+    ctx: Context, base: dict, infos: list[PodInfo], adapters: list[readiness_gate.Adapter] = ()
+) -> float:
+    """One pass; returns the seconds until the next one. ``adapters``: the base's, for its pods' gates."""
     meta = base["metadata"]
     ref = custom_ref(BASE_PLURAL, meta["namespace"], meta["name"])
     with metrics.reconcile_timer("LoRABase") as outcome:
@@ -129,10 +134,12 @@ async def reconcile(ctx: Context, base: dict, infos: list[PodInfo]) -> float:
             outcome["result"] = "refused"
             return ctx.tunables.retry_delay if exc.transient else ctx.tunables.drift_interval
         await apply_objects(ctx, base, spec, image)
+        token = await admin_token(ctx, base, spec)
         ready = [i.address(ctx.tunables.admin_port) for i in infos if i.ready and i.ip and not i.deleting]
-        hashes = await observed_hashes(ctx, base, spec, ready)
+        hashes = await observed_hashes(ctx, ready, token)
+        gates_pending = await readiness_gate.sync(ctx, meta["namespace"], infos, list(adapters), token)
         status = base_status(base, spec, infos, hashes)
         await publish(ctx, base, ref, status)
         outcome["result"] = "ok"
-    settled = C.get(status["conditions"], C.PROGRESSING)["status"] == C.FALSE
+    settled = C.get(status["conditions"], C.PROGRESSING)["status"] == C.FALSE and not gates_pending
     return ctx.tunables.drift_interval if settled else ctx.tunables.poll_interval

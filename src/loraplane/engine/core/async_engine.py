@@ -113,15 +113,22 @@ class AsyncEngine:
             lora = self._lora(None)
             if lora is None:
                 raise AdapterError("AdapterNotFound", f"adapter {adapter!r}: this engine serves no adapters")
-            lora.get(adapter)
+            # Counted in flight from here: an unload between now and the engine thread taking the request
+            # (a step's end frees unloading versions) waits for it instead of freeing its weights.
+            lora.hold(adapter)
         stream = _Stream(asyncio.get_running_loop())
-        with self._cond:
-            self._raise_if_dead()
-            if request_id in self._streams:
-                raise ValueError(f"request_id: {request_id!r} is already running")
-            self._streams[request_id] = stream
-            self._commands.append(_Add(request_id, prompt_token_ids, sampling, adapter))
-            self._cond.notify()
+        try:
+            with self._cond:
+                self._raise_if_dead()
+                if request_id in self._streams:
+                    raise ValueError(f"request_id: {request_id!r} is already running")
+                self._streams[request_id] = stream
+                self._commands.append(_Add(request_id, prompt_token_ids, sampling, adapter))
+                self._cond.notify()
+        except BaseException:
+            if adapter is not None:
+                self._note_request(adapter, -1)
+            raise
         return self._read(request_id, stream)
 
     generate = add_request
@@ -375,11 +382,12 @@ class AsyncEngine:
                     command.prompt_token_ids, command.sampling, command.request_id, command.adapter
                 )
             except Exception as error:  # noqa: BLE001 - refused (bad values, overload): this request, not the engine
+                if command.adapter is not None:
+                    self._note_request(command.adapter, -1)  # held since add_request
                 self._send_error(command.request_id, error)
                 continue
-            if command.adapter is not None:
+            if command.adapter is not None:  # counted in flight since add_request; released at its end
                 self._adapter_of[command.request_id] = command.adapter
-                self._note_request(command.adapter, +1)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = defaultdict(list)

@@ -179,8 +179,14 @@ class AdapterTiers:
                     del self.aliases[name]
             return keys
 
+    def hold(self, key: str) -> None:
+        """Count a request in as it is submitted (any thread), in the same step as the check that ``key`` takes
+        requests: from then on an unload waits for it, even while it is still queued for the engine thread."""
+        with self.lock:
+            self.get(key).in_flight += 1
+
     def note_request(self, key: str, delta: int) -> None:
-        """The async engine counts each request from submission to its end (queued or running)."""
+        """The async engine counts each request from submission (``hold``) to its end (queued or running)."""
         with self.lock:
             v = self.versions.get(key)
             if v is not None:
