@@ -135,7 +135,7 @@ def _report(plan, tally, monitor, sampler, roller, faults, final, elapsed: float
     kills = [f for f in faults.events if f["kind"] == "kill_pod"]
     planned = {"kill_pod": len(plan.kill_times()), "restart_operator": len(plan.restart_times())}
     checks = [
-        *V.request_checks(tally, kills, endpoints.first_ready),
+        *V.request_checks(tally, kills),
         *V.fault_checks(faults.events, planned),
         *V.canary_checks(roller.canaries, monitor.canary_writes, monitor.snapshots, plan.canary_bound_s),
         *V.trend_checks(sampler.samples, plan.warmup_s, elapsed),

@@ -93,34 +93,26 @@ def trend_checks(samples: list[dict], warmup_s: float, end: float) -> list[dict]
     return checks
 
 
-def attributed(first: dict, kills: list[dict], joined: dict[str, float]) -> str | None:
-    """Why a first attempt failed, when a Pod kill explains it: ``killed`` (its Pod was killed around then) or
-    ``replacement`` (a 404 from a Pod that joined after a kill, before the operator had loaded the adapter on
-    it: the Pod is Ready once its base is loaded, so a Service sends it traffic for adapters still loading)."""
+def attributed(first: dict, kills: list[dict]) -> str | None:
+    """Why a first attempt failed, when a Pod kill explains it: ``killed`` (its Pod was killed around then).
+    A Pod that replaced a killed one explains nothing: it takes traffic only once the operator has loaded its
+    adapters (the server Pods' readiness gate), so a 404 from it is a failure like any other."""
     for kill in kills:
         lo, hi = kill["t"] + KILL_WINDOW[0], kill["t"] + KILL_WINDOW[1]
         if first.get("pod") == kill["victim"] and lo <= first.get("at", -1e9) <= hi:
             return "killed"
-        joined_at = joined.get(first.get("pod"), -1e9)
-        fresh = (
-            kill["t"] <= joined_at <= kill["t"] + kill["bound_s"] and first.get("at", 1e9) <= joined_at + 60
-        )
-        error = first.get("error", "")
-        if fresh and ("404" in error or "NotFound" in error):
-            return "replacement"
     return None
 
 
-def request_checks(tally, kills: list[dict], joined: dict[str, float]) -> list[dict]:
+def request_checks(tally, kills: list[dict]) -> list[dict]:
     counts = tally.counts
-    causes = Counter(attributed(r["first"], kills, joined) for r in tally.retried)
-    unexplained = [r for r in tally.retried if attributed(r["first"], kills, joined) is None]
+    causes = Counter(attributed(r["first"], kills) for r in tally.retried)
+    unexplained = [r for r in tally.retried if attributed(r["first"], kills) is None]
     return [
         check("no_failed_request", counts["failed"] == 0, "zero requests failed after the one retry",
               failed=counts["failed"], examples=tally.failed[:5]),
         check("retries_only_after_pod_kills", not unexplained,
-              f"every retried request's first attempt failed on a Pod killed {KILL_WINDOW} s around it, or with a "
-              "404 from the Pod that replaced it within a minute of its joining",
+              f"every retried request's first attempt failed on a Pod killed {KILL_WINDOW} s around it",
               retried=counts["retried"], causes={str(k): v for k, v in causes.items()},
               unexplained=len(unexplained), examples=unexplained[:5]),
         check("no_wrong_version", counts["wrong_version"] == 0,

@@ -16,20 +16,28 @@ at a time use that.
 
 from __future__ import annotations
 
-import itertools
+import fcntl
 import json
+import os
 import socket
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 NODE = "stand-in"
 MERGE_PATCH = "application/merge-patch+json"
 STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"  # conditions merge by type
-_addresses = itertools.count(2)  # 127.0.0.N, unique across the test session
+# 127.0.0.N addresses held by this process's live Pods: N -> the open lock file that reserves it against
+# other processes (other test sessions, a soak) that run stand-in Pods on loopback too. A server binds its
+# ports only once its model is loaded, tens of seconds after its address was chosen: a free-port check alone
+# lets two sessions pick the same address in that window. flock is released when the process exits.
+_held: dict[str, int] = {}
+_LOCKS = Path(tempfile.gettempdir()) / "loraplane-standin-addresses"
 
 
 def _free(ip: str, ports: list[int]) -> bool:
@@ -42,15 +50,44 @@ def _free(ip: str, ports: list[int]) -> bool:
     return True
 
 
+def _reserve(ip: str) -> int | None:
+    """The lock file's descriptor when this process now holds ``ip``; None when another process does."""
+    _LOCKS.mkdir(exist_ok=True)
+    fd = os.open(_LOCKS / ip, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 def next_address(ports: list[int] = ()) -> str:
-    """The next 127.0.0.N whose ``ports`` are free: other processes (another test session, a soak) run
-    stand-in Pods on loopback too, and count from the same start."""
-    for n in _addresses:
-        if n > 250:
-            raise RuntimeError("out of 127.0.0.N addresses for stand-in Pods")
-        if _free(f"127.0.0.{n}", ports):
-            return f"127.0.0.{n}"
-    raise AssertionError("unreachable")
+    """A 127.0.0.N that no live Pod of any process holds and whose ``ports`` are free, reserved until
+    ``release_address``."""
+    with _held_lock:
+        for n in range(2, 251):
+            ip = f"127.0.0.{n}"
+            if ip in _held:
+                continue
+            fd = _reserve(ip)
+            if fd is None:
+                continue
+            if _free(ip, ports):
+                _held[ip] = fd
+                return ip
+            os.close(fd)
+    raise RuntimeError("out of 127.0.0.N addresses for stand-in Pods")
+
+
+def release_address(ip: str) -> None:
+    with _held_lock:
+        fd = _held.pop(ip, None)
+    if fd is not None:
+        os.close(fd)
+
+
+_held_lock = threading.Lock()
 
 
 class Handle(Protocol):
@@ -133,6 +170,7 @@ class Kubelet:
         with self._lock:
             for running in self.running.values():
                 running.handle.stop()
+                release_address(running.ip)
             self.running.clear()
 
     # --- what tests call -----------------------------------------------------------------------
@@ -158,6 +196,7 @@ class Kubelet:
         with self._lock:
             running = self.running.pop(name)
         running.handle.stop()
+        release_address(running.ip)
         self._patch_status(name, {"phase": "Failed", "reason": "Killed", "message": "killed by the test",
                                   "conditions": self._conditions(False, running.started)})  # fmt: skip
         self.plane.request(
@@ -186,6 +225,7 @@ class Kubelet:
                 gone = self.running.pop(name, None)
             if gone:
                 gone.handle.stop()
+                release_address(gone.ip)
         for name, pod in pods.items():
             if pod["metadata"].get("deletionTimestamp"):
                 self._finish_deletion(name, pod)
@@ -213,7 +253,11 @@ class Kubelet:
             raise RuntimeError(f"binding {name}: {status} {body[:200]!r}")
         ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or ()]
         ip = next_address(ports)
-        handle = self.runtime(pod, ip)
+        try:
+            handle = self.runtime(pod, ip)
+        except BaseException:
+            release_address(ip)
+            raise
         with self._lock:
             self.running[name] = Running(pod, ip, handle, _now())
         self._report(name)
@@ -258,6 +302,7 @@ class Kubelet:
             running = self.running.pop(name, None)
         if running:
             running.handle.stop()
+            release_address(running.ip)
         uid = pod["metadata"]["uid"]
         body = {"gracePeriodSeconds": 0, "preconditions": {"uid": uid}}
         self.plane.request("DELETE", f"/api/v1/namespaces/{self.namespace}/pods/{name}", body)
