@@ -37,6 +37,7 @@ STRATEGIC_MERGE_PATCH = "application/strategic-merge-patch+json"  # conditions m
 # ports only once its model is loaded, tens of seconds after its address was chosen: a free-port check alone
 # lets two sessions pick the same address in that window. flock is released when the process exits.
 _held: dict[str, int] = {}
+_used: set[str] = set()
 _LOCKS = Path(tempfile.gettempdir()) / "loraplane-standin-addresses"
 
 
@@ -64,19 +65,22 @@ def _reserve(ip: str) -> int | None:
 
 def next_address(ports: list[int] = ()) -> str:
     """A 127.0.0.N that no live Pod of any process holds and whose ``ports`` are free, reserved until
-    ``release_address``."""
+    ``release_address``. Counted down from the top, and addresses this process used before only when no other
+    is left: a new Pod rarely gets the address of one just stopped (whose clients may still be retrying)."""
     with _held_lock:
-        for n in range(2, 251):
-            ip = f"127.0.0.{n}"
-            if ip in _held:
-                continue
-            fd = _reserve(ip)
-            if fd is None:
-                continue
-            if _free(ip, ports):
-                _held[ip] = fd
-                return ip
-            os.close(fd)
+        for reuse in (False, True):
+            for n in range(250, 1, -1):
+                ip = f"127.0.0.{n}"
+                if ip in _held or (ip in _used) != reuse:
+                    continue
+                fd = _reserve(ip)
+                if fd is None:
+                    continue
+                if _free(ip, ports):
+                    _held[ip] = fd
+                    _used.add(ip)
+                    return ip
+                os.close(fd)
     raise RuntimeError("out of 127.0.0.N addresses for stand-in Pods")
 
 
