@@ -56,6 +56,8 @@ _spec.loader.exec_module(lora_bench)  # the S-LoRA trace generator of the multi-
 RANKS = (8, 16, 32, 64)
 BACKGROUND = 64  # the full decode batch of other tenants (8 with --quick)
 sys.path.insert(0, str(HERE))
+from probes import StepClock  # noqa: E402
+from resident import decode_under_loads  # noqa: E402
 from workload import (  # noqa: E402
     first_token_ms,
     measure_floors,
@@ -136,11 +138,12 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
     """TTFT per tier, idle then under the background batch, plus resident decode with and without loads."""
     prompt, rows = list(range(1, 257)), []
     manager = engine.engine.runner.lora
+    clock = StepClock(engine)
     samples = b.args.samples
     folders = {}
     if lora:
         manager.read = b.reader  # the disk tier reads the disk itself
-        names = [f"t{i}" for i in range(8 + 2 * samples * 3 + 40)]
+        names = [f"t{i}" for i in range(8 + 2 * samples * 3 + 70)]
         folders = write_adapter_files(b, b.tmp / "ttft", {n: 16 for n in names}, drop=True)
         for n in names:
             await engine.load_adapter(n, "v1", folders[n], f"sha256:{n}", on_disk=True)
@@ -177,49 +180,20 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
             while len(tokens) < b.background * 3:
                 await asyncio.sleep(0.05)
         for tier in tiers:
-            ms = [await first_token_ms(engine, prompt, await cold(tier)) for _ in range(samples)]
+            ms, stages = [], []
+            for _ in range(samples):
+                key = await cold(tier)
+                ms.append(await first_token_ms(engine, prompt, key))
+                stages.append(manager.info(key).timings if key else {})
             rows.append({"case": f"{label} TTFT {tier}, {state}", "section": "ttft", "tier": tier, "state": state,
-                         "ttft_ms": statistics.median(ms), "samples_ms": [round(x, 1) for x in ms]})  # fmt: skip
+                         "ttft_ms": statistics.median(ms), "samples_ms": [round(x, 1) for x in ms],
+                         "stages_ms": _median_stages(stages)})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         if state == "loaded":
-            rows += await decode_under_loads(b, engine, label, tokens, cold if lora else None)
+            rows += await decode_under_loads(b, engine, label, tokens, cold if lora else None, clock)
             stop.set()
             await bg
     return rows
-
-
-async def decode_under_loads(b: Bench, engine, label: str, tokens: list[float], cold) -> list[dict]:
-    """The background batch's tokens/s over a window without loads, then one with cold loads at 10/s."""
-
-    def rate(start: float, end: float) -> float:
-        return sum(start <= t < end for t in tokens) / (end - start)
-
-    window = 1.0 if b.quick else 3.0
-    t0 = time.perf_counter()
-    await asyncio.sleep(window)
-    quiet = rate(t0, time.perf_counter())
-    rows = [{"case": f"{label} resident decode, no loads", "section": "decode", "tok_s": quiet}]
-    if cold is not None:
-        t1, tasks = time.perf_counter(), []
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        while time.perf_counter() - t1 < window:
-            key = await cold("disk")
-            tasks.append(
-                asyncio.create_task(_drain(engine.add_request(list(range(1, 65)), params, adapter=key)))
-            )
-            await asyncio.sleep(0.1)
-        busy = rate(t1, time.perf_counter())
-        await asyncio.gather(*tasks)
-        rows.append({"case": f"{label} resident decode, 10 cold loads/s", "section": "decode", "tok_s": busy,
-                     "vs_no_loads": busy / quiet if quiet else None, "loads": len(tasks)})  # fmt: skip
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    return rows
-
-
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass
 
 
 def make_assignment(args, n_requests: int, alpha: float) -> list[int]:
@@ -265,9 +239,16 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
                      "gpu_pool_gb": before["gpu"]["capacity"] / 1e9, "host_tier_gb": before["host"]["capacity"] / 1e9,
                      "disk_loads": len(loads), "max_loads_in_flight": manager.loader.max_in_flight,
                      "load_read_ms_p50": _p50(loads, "disk_read"), "load_hash_ms_p50": _p50(loads, "disk_hash"),
-                     "load_stack_ms_p50": _p50(loads, "disk_stack")})  # fmt: skip
+                     "load_stack_ms_p50": _p50(loads, "disk_stack"),
+                     "arena_misses": manager.arena_misses})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def _median_stages(stages: list[dict]) -> dict:
+    """Per load stage (disk_read, disk_stack, disk_hash, gpu_copy_issue, gpu_copy), the median in ms."""
+    names = {k for t in stages for k in t if k not in ("load", "warm")}
+    return {k: round(statistics.median(t[k] for t in stages if k in t) * 1e3, 2) for k in sorted(names)}
 
 
 def _p50(loads: list[dict], key: str) -> float | None:
@@ -357,6 +338,10 @@ def run(argv: list[str]) -> dict:
             "ttft_ms",
             "tok_s",
             "vs_no_loads",
+            "loads",
+            "step_ms_p50",
+            "step_ms_max",
+            "triton_compiles",
             "ttft_p50_ms",
             "ttft_p99_ms",
             "itl_p50_ms",

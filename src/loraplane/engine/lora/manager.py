@@ -21,13 +21,18 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
 from loraplane.engine.lora.loader import AdapterLoader
+from loraplane.engine.lora.pinned import PinnedArena, take_or_evict
 from loraplane.engine.lora.safetensors_io import Reader, read_file
 from loraplane.engine.lora.tiers import GpuTier, HostTier
 from loraplane.engine.lora.weights import AdapterWeights, header_ranks, load_adapter_weights
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.kernels import LoRABatchMeta, LoRAPool
+
+ARENA_WAIT_S = 0.5  # how long a parse waits for copies in flight to give arena blocks back
 
 
 @dataclass(slots=True)
@@ -54,7 +59,10 @@ class _Version:
 class AdapterTiers:
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
                  host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 graph_batch_size: int = 0, gpu_tier: GpuTier | None = None) -> None:  # fmt: skip
+                 graph_batch_size: int = 0, gpu_tier: GpuTier | None = None,
+                 host_arena: bool | None = None) -> None:  # fmt: skip
+        """``host_arena``: parsed adapters live in one arena of ``host_bytes`` (default: on CUDA, where it
+        is page-locked once instead of once per load)."""
         pool = next(iter(pools.values()))
         self.model_config, self.max_rank = model_config, max_rank
         self.dtype, self.device = pool.dtype, pool.device
@@ -62,11 +70,16 @@ class AdapterTiers:
         self.versions: dict[str, _Version] = {}
         self.aliases: dict[str, str] = {}  # name -> serving version
         self.host = HostTier(host_bytes)
+        cuda = self.device.type == "cuda"
+        self.arena = (
+            PinnedArena(host_bytes, pin=cuda) if (cuda if host_arena is None else host_arena) else None
+        )
         self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
         self.gpu.share_with_kv(self._gpu_evictable, self._reclaim_for_kv)  # unified memory: KV may evict
         self.wanted: set[str] = set()  # requested toward the GPU and not there yet
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
+        self.arena_misses = 0  # parses that found no room in the arena (benchmarks, tests)
         self.read: Reader = read_file  # how weights files are read (tests inject a slow or failing one)
         self.loader = AdapterLoader(self.parse, one_cpu_thread=self.device.type == "cuda")
         self.loader.on_done = self._loaded
@@ -88,7 +101,24 @@ class AdapterTiers:
         """Read and validate a PEFT folder into host tensors (page-locked on CUDA). Any thread.
         ``sha256``: what the weights file hashed to when first read (a changed file is refused)."""
         return load_adapter_weights(folder, self.model_config, max_rank=self.max_rank, dtype=self.dtype,
-                                    pin=self.device.type == "cuda", read=self.read, sha256=sha256)  # fmt: skip
+                                    pin=self.device.type == "cuda", read=self.read, sha256=sha256,
+                                    alloc=self._host_block if self.arena is not None else None)  # fmt: skip
+
+    def _host_block(self, nbytes: int) -> torch.Tensor:
+        """Room for one parse in the host arena (loader threads); pageable memory when there is none (its
+        copy to the GPU then blocks the engine thread for the copy's length)."""
+        block = take_or_evict(self.arena, nbytes, self._drop_lru_host, ARENA_WAIT_S)
+        if block is None:
+            self.arena_misses += 1
+            block = torch.empty(nbytes, dtype=torch.uint8)
+        return block
+
+    def _drop_lru_host(self) -> bool:
+        with self.lock:
+            victim = next((k for k in self.host.entries if self._host_evictable(k)), None)
+            if victim is not None:
+                self.host.drop(victim)
+            return victim is not None
 
     def _loaded(self) -> None:
         waker = self.waker
@@ -301,6 +331,8 @@ class AdapterTiers:
         v = self.versions[key]
         if self.gpu.done(key):
             self.wanted.discard(key)
+            if key in self.gpu.copy_s:
+                v.timings["gpu_copy"] = self.gpu.copy_s.pop(key)
             return True
         if self.gpu.holds(key) or v.state == "failed":
             return False  # copy in flight, or it cannot be loaded again
@@ -396,3 +428,5 @@ class AdapterTiers:
 
     def close(self) -> None:
         self.loader.close()
+        if self.arena is not None:
+            self.arena.close()

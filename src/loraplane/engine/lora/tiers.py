@@ -13,6 +13,7 @@ running or queued request, not in the step being built).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -66,7 +67,8 @@ class GpuTier:
         self._free_ids = list(range(self.num_slots - 1, -1, -1))
         self.slot_id: dict[str, int] = {}
         self.ranks = [0] * self.num_slots  # largest rank over modules per slot (the metadata builder's view)
-        self._pending: dict[str, tuple[torch.cuda.Event, AdapterWeights]] = {}  # copies in flight
+        self._pending: dict[str, tuple[torch.cuda.Event, AdapterWeights, float]] = {}  # copies in flight
+        self.copy_s: dict[str, float] = {}  # key -> seconds from issue until its copy was seen landed
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # TP hook: rank 0 repeats every copy and eviction on the workers (parallel/lora_sync.py)
         self.mirror = None
@@ -103,6 +105,7 @@ class GpuTier:
             if not pending[0].query():
                 return False
             del self._pending[key]
+            self.copy_s[key] = time.perf_counter() - pending[2]
         return True
 
     def copies_in_flight(self) -> bool:
@@ -135,6 +138,7 @@ class GpuTier:
 
     def start_copy(self, key: str, weights: AdapterWeights) -> None:
         """Allocate the version's pages in every module it has and copy its factors in (async on CUDA)."""
+        start = time.perf_counter()
         gid = self._free_ids.pop()
         slots = {m: self.pools[m].allocate(r, 1.0, slot=gid) for m, r in weights.ranks.items()}  # scale in B
         self.slots[key], self.slot_id[key], self.ranks[gid] = slots, gid, weights.rank
@@ -150,7 +154,7 @@ class GpuTier:
             self._write(slots, weights)
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._pending[key] = (event, weights)  # keeps the pinned source alive until the copy lands
+        self._pending[key] = (event, weights, start)  # keeps the pinned source alive until the copy lands
 
     def _write(self, slots: dict[str, int], weights: AdapterWeights) -> None:
         """Per module: one host-to-device copy per factor, one transpose of B, then one multi-tensor copy
@@ -182,6 +186,7 @@ class GpuTier:
         self.ranks[gid] = 0
         self._free_ids.append(gid)
         self.bytes_of.pop(key, None)
+        self.copy_s.pop(key, None)
 
 
 def _row_runs(pool: LoRAPool, slot: int) -> list[tuple[int, int, int]]:

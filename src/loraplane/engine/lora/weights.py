@@ -19,6 +19,7 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,15 +103,19 @@ def _refuse_key(key: str) -> AdapterError:
     return AdapterError("UnknownModule", f"{WEIGHTS_FILE}: tensor {key!r} is not a served LoRA A/B weight")
 
 
+Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 host tensor the result is carved from
+
+
 def load_adapter_weights(
     folder: Path, cfg: ModelConfig, *, max_rank: int, dtype: torch.dtype = torch.float32, pin: bool = False,
-    read: Reader = read_file, sha256: str | None = None,
+    read: Reader = read_file, sha256: str | None = None, alloc: Alloc | None = None,
 ) -> AdapterWeights:  # fmt: skip
     """Parse, validate and scale one PEFT folder; raises AdapterError naming the field / file / tensor.
 
     One read of the weights file (``read``), views of its tensors, then per module one stack of A, one of B
-    and one scale multiply: a few large ops that release the GIL, whatever the number of layers. ``pin``:
-    the result lives in one page-locked buffer (CUDA hosts). ``sha256``: the file must hash to it
+    and one scale multiply: a few large ops that release the GIL, whatever the number of layers. The result
+    lives in one buffer: ``alloc(nbytes)``'s (the host tier's page-locked arena), else a new one, page-locked
+    when ``pin``. ``sha256``: the file must hash to it
     ("sha256:<hex>"), else ``ChecksumMismatch``; the result carries the file's hash either way."""
     folder = Path(folder)
     config = read_config(folder)
@@ -134,7 +139,7 @@ def load_adapter_weights(
     hashing = _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
     try:
         factors = _factors(tensors, config, cfg, max_rank)
-        out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, pin)
+        out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, alloc or _new_buffer(pin))
         _check_finite(out, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
@@ -203,15 +208,20 @@ def _factors(
     return factors
 
 
-def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, pin: bool) -> AdapterWeights:
-    """Every module's stacked pair, carved out of one (page-locked when ``pin``) buffer."""
+def _new_buffer(pin: bool) -> Alloc:
+    return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc) -> AdapterWeights:
+    """Every module's stacked pair, carved out of one buffer from ``alloc``."""
     plan = []  # (module, r_m, fan_in, fan_out)
     for module in TARGET_MODULES:
         if module in factors:
             r_m = max(a.shape[0] for a, _, _ in factors[module].values())
             plan.append((module, r_m, *shapes[module]))
     total = sum(num_layers * r_m * (fan_in + fan_out) for _, r_m, fan_in, fan_out in plan)
-    flat = torch.empty(total, dtype=dtype, pin_memory=pin)
+    elem = torch.empty((), dtype=dtype).element_size()
+    flat = alloc(total * elem).view(dtype)  # [total]
     out, at = AdapterWeights(a={}, b={}), 0
     for module, r_m, fan_in, fan_out in plan:
         a_m = flat[at : (at := at + num_layers * r_m * fan_in)].view(num_layers, r_m, fan_in)  # [L, r_m, in]
