@@ -61,6 +61,7 @@ async def decode_under_loads(
         if keys:
             row["loaded_to_gpu"] = sum(manager.tier_of(k) == "gpu" for k in keys)
             row["arena_misses"] = manager.arena_misses
+            row["arena_pinned"] = bool(manager.arena is not None and manager.arena.pinned)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if manager is not None:

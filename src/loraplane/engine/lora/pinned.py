@@ -14,6 +14,7 @@ evicted from the host tier while a copy is in flight, can never see its bytes re
 from __future__ import annotations
 
 import bisect
+import mmap
 import threading
 import time
 import weakref
@@ -31,10 +32,11 @@ class PinnedArena:
         if nbytes < ALIGN:
             raise ValueError(f"nbytes: the arena needs at least {ALIGN} bytes, got {nbytes}")
         self.capacity = nbytes - nbytes % ALIGN
-        self._mem = np.empty(self.capacity, dtype=np.uint8)
-        self.pinned = False
+        self._registered = False  # locked by cudaHostRegister (close unlocks it)
         if pin:
-            self.pinned = _register(self._mem)
+            self._mem, self.pinned, self._registered = _page_locked(self.capacity)
+        else:
+            self._mem, self.pinned = np.empty(self.capacity, dtype=np.uint8), False
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.capacity)]  # (offset, size), sorted by offset
         self.used = 0
@@ -75,10 +77,10 @@ class PinnedArena:
             return max((length for _, length in self._free), default=0)
 
     def close(self) -> None:
-        """Unlock the arena's pages (blocks still alive keep the memory, no longer page-locked)."""
-        if self.pinned:
+        """Unlock the arena's pages where this arena locked them (blocks still alive keep the memory)."""
+        if self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._mem.ctypes.data)
-            self.pinned = False
+            self._registered = self.pinned = False
 
 
 def take_or_evict(
@@ -101,7 +103,15 @@ def take_or_evict(
     return None
 
 
-def _register(mem: np.ndarray) -> bool:
-    """Page-lock ``mem`` in place; False (left pageable) when the driver refuses."""
-    err = torch.cuda.cudart().cudaHostRegister(mem.ctypes.data, mem.nbytes, 0)
-    return int(err) == 0
+def _page_locked(nbytes: int) -> tuple[np.ndarray, bool, bool]:
+    """``nbytes`` of page-locked memory: an anonymous map (page-aligned) locked in place with exactly its
+    size, else (the driver refuses) one page-locked allocation of torch's; pageable when neither works."""
+    mem = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    err = torch.cuda.cudart().cudaHostRegister(mem.ctypes.data, nbytes, 0)
+    if int(err) == 0 and torch.from_numpy(mem[:ALIGN]).is_pinned():
+        return mem, True, True
+    try:
+        held = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    except RuntimeError:
+        return mem, False, False
+    return held.numpy(), held.is_pinned(), False  # the numpy view keeps the tensor (and its memory) alive

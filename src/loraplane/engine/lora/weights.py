@@ -139,8 +139,8 @@ def load_adapter_weights(
     hashing = _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
     try:
         factors = _factors(tensors, config, cfg, max_rank)
-        out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, alloc or _new_buffer(pin))
-        _check_finite(out, factors)
+        out, bad = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, alloc or _new_buffer(pin))
+        _check_finite(bad, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
         digest, timings["hash"] = hashing.result()
@@ -212,8 +212,13 @@ def _new_buffer(pin: bool) -> Alloc:
     return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc) -> AdapterWeights:
-    """Every module's stacked pair, carved out of one buffer from ``alloc``."""
+def _stack(
+    factors: dict, shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc
+) -> tuple[AdapterWeights, list]:
+    """Every module's stacked pair, carved out of one buffer from ``alloc``, and the modules whose values are
+    not all finite. The modules are filled side by side on a small pool (each fill is a few large tensor
+    ops that release the GIL), so one adapter on an idle engine loads in about the time of its largest
+    module rather than of all seven."""
     plan = []  # (module, r_m, fan_in, fan_out)
     for module in TARGET_MODULES:
         if module in factors:
@@ -222,23 +227,40 @@ def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, alloc: Al
     total = sum(num_layers * r_m * (fan_in + fan_out) for _, r_m, fan_in, fan_out in plan)
     elem = torch.empty((), dtype=dtype).element_size()
     flat = alloc(total * elem).view(dtype)  # [total]
-    out, at = AdapterWeights(a={}, b={}), 0
+    out, at, jobs = AdapterWeights(a={}, b={}), 0, {}
     for module, r_m, fan_in, fan_out in plan:
         a_m = flat[at : (at := at + num_layers * r_m * fan_in)].view(num_layers, r_m, fan_in)  # [L, r_m, in]
         b_m = flat[at : (at := at + num_layers * fan_out * r_m)].view(
             num_layers, fan_out, r_m
         )  # [L, out, r_m]
-        layers = factors[module]
-        if len(layers) == num_layers and all(a.shape[0] == r_m for a, _, _ in layers.values()):
-            _stack_uniform(a_m, b_m, [layers[i] for i in range(num_layers)])
-        else:  # some layers absent or at a lower rank: zeros there add exactly nothing
-            a_m.zero_()
-            b_m.zero_()
-            for layer, (a, b, scale) in layers.items():
-                a_m[layer, : a.shape[0]] = a.float().to(dtype)
-                b_m[layer, :, : a.shape[0]] = (b.float() * scale).to(dtype)
+        jobs[module] = _STACKER.submit(_fill, a_m, b_m, factors[module], num_layers, r_m)
         out.a[module], out.b[module], out.ranks[module] = a_m, b_m, r_m
-    return out
+    return out, [m for m, job in jobs.items() if not job.result()]
+
+
+def _fill(a_m: torch.Tensor, b_m: torch.Tensor, layers: dict, num_layers: int, r_m: int) -> bool:
+    """One module's stacked A [L, r_m, in] and scaled B [L, out, r_m]; whether every value is finite."""
+    if len(layers) == num_layers and all(a.shape[0] == r_m for a, _, _ in layers.values()):
+        _stack_uniform(a_m, b_m, [layers[i] for i in range(num_layers)])
+    else:  # some layers absent or at a lower rank: zeros there add exactly nothing
+        a_m.zero_()
+        b_m.zero_()
+        for layer, (a, b, scale) in layers.items():
+            a_m[layer, : a.shape[0]] = a.float().to(a_m.dtype)
+            b_m[layer, :, : a.shape[0]] = (b.float() * scale).to(b_m.dtype)
+    return _all_finite(a_m) and _all_finite(b_m)
+
+
+def _one_thread_on_gpu_hosts() -> None:
+    # Several fills at once must not each start a team of intra-op threads on a GPU host (the engine thread
+    # needs its core); a CPU-only engine keeps torch's default, which this call would change process-wide.
+    if torch.cuda.is_available():
+        torch.set_num_threads(1)
+
+
+_STACKER = ThreadPoolExecutor(
+    4, thread_name_prefix="loraplane-adapter-stack", initializer=_one_thread_on_gpu_hosts
+)
 
 
 def _stack_uniform(a_m: torch.Tensor, b_m: torch.Tensor, layers: list) -> None:
@@ -273,11 +295,10 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def _check_finite(out: AdapterWeights, factors: dict) -> None:
-    """One check per stacked tensor; only on a failure are the file's tensors searched for the name."""
-    for module in out.ranks:
-        if _all_finite(out.a[module]) and _all_finite(out.b[module]):
-            continue
+def _check_finite(bad: list[str], factors: dict) -> None:
+    """Name the first non-finite tensor of the modules ``_stack`` flagged (the file's tensors are searched
+    only on a failure)."""
+    for module in bad:
         for layer, (a, b, _) in sorted(factors[module].items()):
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
             for name, t in (("lora_A", a), ("lora_B", b)):
