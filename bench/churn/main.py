@@ -56,7 +56,7 @@ _spec.loader.exec_module(lora_bench)  # the S-LoRA trace generator of the multi-
 RANKS = (8, 16, 32, 64)
 BACKGROUND = 64  # the full decode batch of other tenants (8 with --quick)
 sys.path.insert(0, str(HERE))
-from probes import StepClock  # noqa: E402
+from probes import StepClock, triton_compiled  # noqa: E402
 from resident import decode_under_loads  # noqa: E402
 from workload import (  # noqa: E402
     first_token_ms,
@@ -180,14 +180,21 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
             while len(tokens) < b.background * 3:
                 await asyncio.sleep(0.05)
         for tier in tiers:
-            ms, stages = [], []
+            ms, stages, steps = [], [], []
             for _ in range(samples):
                 key = await cold(tier)
+                start, compiled = time.perf_counter(), triton_compiled()
                 ms.append(await first_token_ms(engine, prompt, key))
+                steps.append(
+                    {
+                        **clock.window(start, time.perf_counter() + 1e-3),
+                        "compiles": triton_compiled() - compiled,
+                    }
+                )
                 stages.append(manager.info(key).timings if key else {})
             rows.append({"case": f"{label} TTFT {tier}, {state}", "section": "ttft", "tier": tier, "state": state,
                          "ttft_ms": statistics.median(ms), "samples_ms": [round(x, 1) for x in ms],
-                         "stages_ms": _median_stages(stages)})  # fmt: skip
+                         "stages_ms": _median_stages(stages), "sample_steps": steps})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         if state == "loaded":
             rows += await decode_under_loads(b, engine, label, tokens, cold if lora else None, clock)

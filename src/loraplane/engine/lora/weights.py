@@ -29,6 +29,7 @@ import torch
 from loraplane.artifacts.errors import BAD_MANIFEST, ArtifactError
 from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
 from loraplane.engine.api import AdapterError
+from loraplane.engine.lora.layout import Layout, Layouts, fill, header_key, layout_of
 from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file, read_header
 from loraplane.engine.model.model_config import ModelConfig
 
@@ -130,16 +131,21 @@ def load_adapter_weights(
     except OSError as exc:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
     timings["read"] = (t1 := time.perf_counter()) - t0
-    try:
-        tensors = parse(buf)  # views only: a truncated or malformed file is named before it is hashed
-    except SafetensorsFormatError as exc:
-        raise AdapterError(
-            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
-        ) from None
+    shapes, alloc = module_shapes(cfg), alloc or _new_buffer(pin)
+    key = header_key(buf, repr(config), tuple(shapes.items()), cfg.num_layers, max_rank, dtype)
+    layout = LAYOUTS.get(key, len(buf))
+    tensors = _parse(buf) if layout is None else None  # views: a malformed file is named before it is hashed
     hashing = _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
     try:
-        factors = _factors(tensors, config, cfg, max_rank)
-        out, bad = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, alloc or _new_buffer(pin))
+        data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+        if layout is not None:
+            out, bad = _stack_known(layout, data, shapes, cfg.num_layers, alloc)
+            factors = _factors(_parse(buf), config, cfg, max_rank) if bad else {}  # only to name the tensor
+        else:
+            factors = _factors(tensors, config, cfg, max_rank)
+            out, bad = _stack(factors, shapes, cfg.num_layers, dtype, alloc)
+            if not bad and (found := layout_of(factors, data, len(buf), cfg.num_layers, dtype)) is not None:
+                LAYOUTS.put(key, found)
         _check_finite(bad, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
@@ -153,6 +159,16 @@ def load_adapter_weights(
 
 
 _HASHER = ThreadPoolExecutor(4, thread_name_prefix="loraplane-adapter-hash")
+LAYOUTS = Layouts()  # file layouts learned by full parses (layout.py)
+
+
+def _parse(buf: memoryview) -> dict[str, torch.Tensor]:
+    try:
+        return parse(buf)
+    except SafetensorsFormatError as exc:
+        raise AdapterError(
+            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
+        ) from None
 
 
 def _sha256(buf: memoryview) -> tuple[str, float]:
@@ -212,29 +228,50 @@ def _new_buffer(pin: bool) -> Alloc:
     return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
 
 
-def _stack(
-    factors: dict, shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc
-) -> tuple[AdapterWeights, list]:
-    """Every module's stacked pair, carved out of one buffer from ``alloc``, and the modules whose values are
-    not all finite. The modules are filled side by side on a small pool (each fill is a few large tensor
-    ops that release the GIL), so one adapter on an idle engine loads in about the time of its largest
-    module rather than of all seven."""
-    plan = []  # (module, r_m, fan_in, fan_out)
-    for module in TARGET_MODULES:
-        if module in factors:
-            r_m = max(a.shape[0] for a, _, _ in factors[module].values())
-            plan.append((module, r_m, *shapes[module]))
+def _carve(
+    ranks: dict[str, int], shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc
+) -> AdapterWeights:
+    """Every module's stacked pair, uninitialised, carved out of one buffer from ``alloc``."""
+    plan = [(m, ranks[m], *shapes[m]) for m in TARGET_MODULES if m in ranks]  # (module, r_m, fan_in, fan_out)
     total = sum(num_layers * r_m * (fan_in + fan_out) for _, r_m, fan_in, fan_out in plan)
     elem = torch.empty((), dtype=dtype).element_size()
     flat = alloc(total * elem).view(dtype)  # [total]
-    out, at, jobs = AdapterWeights(a={}, b={}), 0, {}
+    out, at = AdapterWeights(a={}, b={}), 0
     for module, r_m, fan_in, fan_out in plan:
         a_m = flat[at : (at := at + num_layers * r_m * fan_in)].view(num_layers, r_m, fan_in)  # [L, r_m, in]
         b_m = flat[at : (at := at + num_layers * fan_out * r_m)].view(
             num_layers, fan_out, r_m
         )  # [L, out, r_m]
-        jobs[module] = _STACKER.submit(_fill, a_m, b_m, factors[module], num_layers, r_m)
         out.a[module], out.b[module], out.ranks[module] = a_m, b_m, r_m
+    return out
+
+
+def _stack(
+    factors: dict, shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc
+) -> tuple[AdapterWeights, list]:
+    """Every module's stacked pair and the modules whose values are not all finite. The modules are filled
+    side by side on a small pool (each fill is a few large tensor ops that release the GIL), so one adapter
+    on an idle engine loads in about the time of its largest module rather than of all seven."""
+    ranks = {m: max(a.shape[0] for a, _, _ in layers.values()) for m, layers in factors.items()}
+    out = _carve(ranks, shapes, num_layers, dtype, alloc)
+    jobs = {
+        m: _STACKER.submit(_fill, out.a[m], out.b[m], factors[m], num_layers, r) for m, r in ranks.items()
+    }
+    return out, [m for m, job in jobs.items() if not job.result()]
+
+
+def _stack_known(
+    layout: Layout, data: torch.Tensor, shapes, num_layers: int, alloc: Alloc
+) -> tuple[AdapterWeights, list]:
+    """``_stack`` for a file whose layout is known: one gather per factor (layout.py)."""
+    ranks = {m.name: m.a.numel // shapes[m.name][0] for m in layout.modules}
+    out = _carve(ranks, shapes, num_layers, layout.dtype, alloc)
+
+    def one(module) -> bool:
+        fill(layout, data, out.a, out.b, module)
+        return _all_finite(out.a[module.name]) and _all_finite(out.b[module.name])
+
+    jobs = {m.name: _STACKER.submit(one, m) for m in layout.modules}
     return out, [m for m, job in jobs.items() if not job.result()]
 
 
