@@ -25,6 +25,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -67,9 +68,9 @@ from workload import (  # noqa: E402
 
 
 class Bench:
-    def __init__(self, args) -> None:
+    def __init__(self, args, device: torch.device | None = None) -> None:
         self.quick = args.quick
-        self.device = torch.device("cpu" if self.quick else "cuda")
+        self.device = device or torch.device("cpu" if self.quick else "cuda")
         self.dtype = torch.float32 if self.quick else torch.bfloat16
         raw = TINY if self.quick else LLAMA3_8B
         self.cfg = ModelConfig.from_dict(raw, max_model_len=2048)
@@ -308,7 +309,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--host-gib", type=float, default=4.0, help="host tier (below the working set)")
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where adapter files are written (a real disk)")
+    parser.add_argument("--from-log", default=None, help="rebuild the report from a bench log's rows only")
     args = parser.parse_args(argv)
+    if args.from_log:
+        return from_log(Path(args.from_log), args)
     if args.quick:
         torch.set_num_threads(1)
         args.requests, args.rate, args.samples = min(args.requests, 16), 40.0, 1
@@ -337,6 +341,26 @@ def run(argv: list[str]) -> dict:
         if step:
             floors["decode_step_ms"] = step[0]["itl_p50_ms"]
         b.free(engine, model)
+    return report(rows, floors, b)
+
+
+def from_log(path: Path, args) -> dict:
+    """The report of a run from the JSON lines its log holds (a run stopped by its time limit keeps the rows
+    it finished): the floors line, then one line per row."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    floors = next(line for line in lines if "disk_gbs" in line)
+    rows = [line for line in lines if "case" in line]
+    step = [r for r in rows if r["section"] == "slora" and r["case"].startswith("S-LoRA trace base")]
+    if step:
+        floors["decode_step_ms"] = step[0]["itl_p50_ms"]
+    b = Bench(args, device=torch.device("cuda"))
+    shutil.rmtree(b.tmp)
+    out = report(rows, floors, b)
+    out["meta"] = {"rebuilt from": path.name, **{k: v for k, v in out["meta"].items() if "GB/s" in k or "dropped" in k}}
+    return out
+
+
+def report(rows: list[dict], floors: dict, b: Bench) -> dict:
     summary = summarize(rows, floors, b)
     return {
         "title": "Adapter churn: Llama-3-8B-shaped, random bf16 weights and adapters, one H200",
@@ -363,7 +387,7 @@ def run(argv: list[str]) -> dict:
         "rows": rows,
         "summary": summary,
         "meta": {
-            "device": torch.cuda.get_device_name() if b.device.type == "cuda" else "cpu (--quick)",
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (--quick)",
             "torch": torch.__version__,
             "disk read GB/s (O_DIRECT)": round(floors["disk_gbs"], 2),
             "page cache read GB/s": round(floors["page_cache_gbs"], 2),

@@ -22,6 +22,8 @@ import torch
 from loraplane.engine.lora.weights import AdapterWeights
 from loraplane.kernels import LoRAPool
 
+MAX_RUNS = 2  # runs of consecutive pages placed by slicing; past that, by one indexed copy per layer
+
 
 class HostTier:
     def __init__(self, limit_bytes: int) -> None:
@@ -157,14 +159,23 @@ class GpuTier:
         self._pending[key] = (event, weights, start)  # keeps the pinned source alive until the copy lands
 
     def _write(self, slots: dict[str, int], weights: AdapterWeights) -> None:
-        """Per module: one host-to-device copy per factor, one transpose of B, then one multi-tensor copy
-        per run of consecutive physical rows over every layer (not one indexed copy per layer)."""
+        """Per module: one host-to-device copy per factor and one transpose of B, then the rows placed into
+        the slot's pages: one multi-tensor copy over every layer per run of consecutive rows, or, once the
+        pages are scattered (a pool that has evicted), one indexed copy per layer and factor, so the engine
+        thread's work no longer grows with the number of runs (up to the rank)."""
         for m, slot in slots.items():
             pool = self.pools[m]
             a = weights.a[m].to(self.device, non_blocking=True)  # [L, r_m, in]
             bt = weights.b[m].to(self.device, non_blocking=True).transpose(1, 2).contiguous()  # [L, r_m, out]
             layers = range(pool.num_layers)
-            for row, src, n in _row_runs(pool, slot):
+            runs = _row_runs(pool, slot)
+            if len(runs) > MAX_RUNS:
+                rows = pool.rows_of(slot)  # int64 [r_m]: the physical row of each rank-row
+                for i in layers:
+                    pool.a[(i, m)][0].index_copy_(0, rows, a[i])
+                    pool.bt[(i, m)].index_copy_(0, rows, bt[i])
+                continue
+            for row, src, n in runs:
                 dst = [pool.a[(i, m)][0, row : row + n] for i in layers]
                 dst += [pool.bt[(i, m)][row : row + n] for i in layers]
                 torch._foreach_copy_(
