@@ -118,9 +118,10 @@ class Bench:
 
 
 async def background(
-    b: Bench, engine: AsyncEngine, adapters: list, tokens: list[float], stop: asyncio.Event
+    b: Bench, engine: AsyncEngine, adapters: list, tokens: list[float], stop: asyncio.Event, decoding: set
 ) -> None:
-    """A full decode batch of other tenants: long requests whose every token time is recorded."""
+    """A full decode batch of other tenants: long requests whose every token time is recorded (``decoding``:
+    the requests past their prefill)."""
     params = SamplingParams(temperature=0.0, max_tokens=1400, ignore_eos=True)
     prompt = list(range(1, 33 if b.quick else 513))
 
@@ -128,6 +129,7 @@ async def background(
         stream = engine.add_request(prompt, params, adapter=adapters[i % len(adapters)])
         async for _ in stream:
             tokens.append(time.perf_counter())
+            decoding.add(i)
             if stop.is_set():
                 await stream.aclose()  # aborts the request
                 return
@@ -172,13 +174,15 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
 
     tiers = ("base", "gpu", "host", "disk") if lora else ("base",)
     for state in ("idle", "loaded"):
-        stop, tokens = asyncio.Event(), []
+        stop, tokens, decoding = asyncio.Event(), [], set()
         bg = None
         if state == "loaded":
             bg = asyncio.create_task(
-                background(b, engine, [f"t{i}@v1" for i in range(8)] if lora else [None], tokens, stop)
+                background(
+                    b, engine, [f"t{i}@v1" for i in range(8)] if lora else [None], tokens, stop, decoding
+                )
             )
-            while len(tokens) < b.background * 3:
+            while len(decoding) < b.background:  # every prompt prefilled: the samples see decode steps only
                 await asyncio.sleep(0.05)
         for tier in tiers:
             ms, stages, steps = [], [], []
@@ -356,7 +360,10 @@ def from_log(path: Path, args) -> dict:
     b = Bench(args, device=torch.device("cuda"))
     shutil.rmtree(b.tmp)
     out = report(rows, floors, b)
-    out["meta"] = {"rebuilt from": path.name, **{k: v for k, v in out["meta"].items() if "GB/s" in k or "dropped" in k}}
+    out["meta"] = {
+        "rebuilt from": path.name,
+        **{k: v for k, v in out["meta"].items() if "GB/s" in k or "dropped" in k},
+    }
     return out
 
 
