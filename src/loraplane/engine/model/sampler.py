@@ -122,12 +122,15 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
 
 
 def _count_tokens(meta: SamplingMetadata, tokens: torch.Tensor) -> None:
-    """The penalties' output counts take this step's tokens (one scatter for every penalised row)."""
+    """The penalties' output counts take this step's tokens: one scatter-add for every penalised row.
+
+    Not ``index_put_(accumulate=True)``: on CUDA that sorts the indices and checks their bounds with a dozen
+    launches, which cost more than the penalties themselves (~0.3 ms a step at B = 64)."""
     p = meta.penalties
     if p is not None:
-        sampled = tokens[p.rows]
-        ones = torch.ones_like(sampled, dtype=p.counts.dtype)
-        p.counts.index_put_((p.slots, sampled.to(p.slots.device)), ones, accumulate=True)
+        V = p.counts.shape[1]
+        flat = p.slots * V + tokens[p.rows].to(p.slots.device)  # [P] offsets into counts.view(-1)
+        p.counts.view(-1).scatter_add_(0, flat, torch.ones_like(flat, dtype=p.counts.dtype))
 
 
 def sample(
