@@ -6,14 +6,13 @@ and timed for the decode cases of `main.py` (64 distinct r16, one adapter, 64 q,
 batch), a torch.profiler table of one step's kernels, and a sweep of launch configs per op. Writes
 DIR/probe.json (and prints one line per result).
 
-    python bench/lora_decode/probe.py --out DIR [--budget-s 200] [--candidates MODULE:ATTR]
+    python bench/lora_decode/probe.py --out DIR [--budget-s 200]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import statistics
 import sys
@@ -274,6 +273,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
-    importlib.invalidate_caches()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # runs from a bare checkout
     main()

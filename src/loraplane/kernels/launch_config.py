@@ -98,6 +98,9 @@ _CAPTURE = [CapturePolicy()]
 # the sum over 64 distinct r16 / one adapter / 64 q,v r8 / a mixed batch (bench/lora_decode/probe.py).
 # qkv: 256-column chunks 101 -> 86 us; o: 128-column tiles 52 -> 48 us; gate_up: 1024-column chunks
 # 135 -> 111 us (64 distinct: 42 -> 44 us); down: the occupancy rule was best. Fields: LaunchConfig's.
+# Measured at capacity 64; smaller captures (a handful of tile slots) keep the occupancy rule, which
+# gives them more, shorter programs than these chunks would.
+DECODE_TABLE_MIN_CAPACITY = 64
 DECODE_TABLE: dict[tuple[int, tuple[int, ...]], dict[str, int]] = {
     (4096, (4096, 1024, 1024)): {"n_chunk": 256},
     (4096, (4096,)): {"block_n": 128, "n_chunk": 512},
@@ -190,7 +193,7 @@ def pick_config(
             n_chunk *= 2
         if policy.n_chunk:
             n_chunk = max(block_n, min(policy.n_chunk, 2048, widest))
-    if meta.capture and policy.table and not policy.n_chunk:
+    if meta.capture and policy.table and not policy.n_chunk and meta.capacity >= DECODE_TABLE_MIN_CAPACITY:
         tuned = DECODE_TABLE.get((in_dim, tuple(out_dims)), {})
         block_n = tuned.get("block_n", block_n)
         n_chunk = max(block_n, tuned.get("n_chunk", n_chunk))
