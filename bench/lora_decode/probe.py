@@ -6,7 +6,7 @@ and timed for the decode cases of `main.py` (64 distinct r16, one adapter, 64 q,
 batch), a torch.profiler table of one step's kernels, and a sweep of launch configs per op. Writes
 DIR/probe.json (and prints one line per result).
 
-    python bench/lora_decode/probe.py --out DIR [--budget-s 200]
+    python bench/lora_decode/probe.py --out DIR [--budget-s 200]   # src/ importable: scripts/device_env.sh
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -273,5 +272,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # runs from a bare checkout
     main()
