@@ -74,7 +74,7 @@ def test_a_learned_layout_loads_the_same_tensors_as_a_full_parse(tmp_path, cfg):
     assert len(LAYOUTS) == 1
     fast = load(second, cfg)
     load(first, cfg)
-    assert len(LAYOUTS) == 1 and same(fast, full) and fast.sha256 == full.sha256
+    assert len(LAYOUTS) == 1 and same(fast, full) and fast.digest() == full.digest() is not None
     raw = load_file(str(second / "adapter_model.safetensors"))  # layer order, spot-checked
     a10 = raw["base_model.model.model.layers.10.mlp.down_proj.lora_A.weight"]
     b2 = raw["base_model.model.model.layers.2.self_attn.q_proj.lora_B.weight"]

@@ -54,6 +54,15 @@ class _Version:
     error_reason: str | None = None
     sha256: str | None = None  # of the weights file as first read: a reload must match it
     ranks: dict[str, int] = field(default_factory=dict)  # module -> rank (what it needs in each pool)
+    hashing: Future | None = None  # the first read's hash, (digest, seconds), while sha256 is unknown
+
+
+def _known_sha256(v: _Version) -> str | None:
+    """The digest a reload must match: the first read's (its hash long finished by the time of a reload)."""
+    if v.sha256 is None and v.hashing is not None:
+        v.sha256, v.timings["disk_hash"] = v.hashing.result()
+        v.hashing = None
+    return v.sha256
 
 
 class AdapterTiers:
@@ -134,6 +143,9 @@ class AdapterTiers:
     def register(self, name: str, version: str, folder: Path, digest: str, weights: AdapterWeights | None, *,
                  pin: bool = False, load_s: float = 0.0) -> AdapterInfo:  # fmt: skip
         key = adapter_key(name, version)
+        sha256 = (
+            weights.digest() if weights is not None else None
+        )  # before the lock: it may wait for the hash
         with self.lock:
             old = self.versions.get(key)
             if old is not None and old.digest != digest:
@@ -151,7 +163,7 @@ class AdapterTiers:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
             v = _Version(name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin)
             v.timings["load"] = load_s
-            v.sha256, v.ranks = weights.sha256, dict(weights.ranks)
+            v.sha256, v.ranks = sha256, dict(weights.ranks)
             self.versions[key] = v
             self.host.put(key, weights, self._host_evictable)
             return self.info(key)
@@ -251,6 +263,8 @@ class AdapterTiers:
     def info(self, key: str) -> AdapterInfo:
         with self.lock:
             v = self.versions[key]
+            if v.hashing is not None and v.hashing.done():
+                _known_sha256(v)
             return AdapterInfo(
                 name=v.name, version=v.version, digest=v.digest, state=v.state, tier=self.tier_of(key),
                 pinned=v.pinned, serving=self.aliases.get(v.name) == v.version, bytes=v.pool_bytes,
@@ -339,7 +353,7 @@ class AdapterTiers:
         weights = self.host.get(key)
         if weights is None:
             if v.loading is None:
-                v.loading = self.loader.submit(key, v.folder, v.sha256)
+                v.loading = self.loader.submit(key, v.folder, _known_sha256(v))
             if not v.loading.done():
                 return False
             future, v.loading = v.loading, None
@@ -350,7 +364,8 @@ class AdapterTiers:
                 v.state, v.error, v.error_reason = "failed", f"{reason}: {error}", reason
                 return False
             v.timings.update({f"disk_{k}": t for k, t in weights.timings.items()})
-            v.sha256 = v.sha256 or weights.sha256  # registered on disk: its first read fixes the bytes
+            if v.sha256 is None:  # registered on disk: its first read fixes the bytes (hashed off this path)
+                v.sha256, v.hashing = weights.sha256, weights.hashing
             self.host.put(key, weights, self._host_evictable)
         if not self.gpu.make_room(weights, self._gpu_evictable):
             return False

@@ -20,7 +20,7 @@ import json
 import re
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,8 +49,16 @@ class AdapterWeights:
     a: dict[str, torch.Tensor]  # module -> [L, r_m, in]
     b: dict[str, torch.Tensor]  # module -> [L, out, r_m] (scaled)
     ranks: dict[str, int] = field(default_factory=dict)  # module -> r_m (largest over layers)
-    sha256: str | None = None  # "sha256:<hex>" of the weights file it was read from
+    sha256: str | None = None  # "sha256:<hex>" of the weights file it was read from (see ``digest``)
     timings: dict[str, float] = field(default_factory=dict)  # read / hash / stack seconds
+    hashing: Future | None = None  # (digest, seconds) of a hash still running when the load returned
+
+    def digest(self) -> str | None:
+        """``sha256``, waiting for the hash of a first read (no digest to check) if it is still running."""
+        if self.sha256 is None and self.hashing is not None:
+            self.sha256, self.timings["hash"] = self.hashing.result()
+            self.hashing = None
+        return self.sha256
 
     @property
     def rank(self) -> int:
@@ -116,8 +124,8 @@ def load_adapter_weights(
     One read of the weights file (``read``), views of its tensors, then per module one stack of A, one of B
     and one scale multiply: a few large ops that release the GIL, whatever the number of layers. The result
     lives in one buffer: ``alloc(nbytes)``'s (the host tier's page-locked arena), else a new one, page-locked
-    when ``pin``. ``sha256``: the file must hash to it
-    ("sha256:<hex>"), else ``ChecksumMismatch``; the result carries the file's hash either way."""
+    when ``pin``. ``sha256``: the file must hash to it ("sha256:<hex>"), else ``ChecksumMismatch``; without
+    it the hash of this read (which fixes the bytes) may still run when this returns: ``digest()``."""
     folder = Path(folder)
     config = read_config(folder)
     path = folder / WEIGHTS_FILE
@@ -149,12 +157,16 @@ def load_adapter_weights(
         _check_finite(bad, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
-        digest, timings["hash"] = hashing.result()
-    if sha256 is not None and digest != sha256:
+    out.timings = timings
+    if sha256 is None:  # nothing to check it against: the hash finishes off the load's path (``digest()``)
+        out.hashing = hashing
+        return out
+    digest, timings["hash"] = hashing.result()
+    if digest != sha256:
         raise AdapterError(
             "ChecksumMismatch", f"{WEIGHTS_FILE}: hashes to {digest}, not the {sha256} it was loaded with"
         )
-    out.sha256, out.timings = digest, timings
+    out.sha256 = digest
     return out
 
 
