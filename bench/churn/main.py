@@ -245,7 +245,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
         working = sum(b.adapter_bytes(RANKS[int(a[1:].split("@")[0]) % 4]) for a in set(adapters))
         before = dict(manager.tier_stats())
         r = await serve_trace(engine, arrivals, prompts, lens_out, adapters)
-        loads = [v.timings for v in manager.versions.values() if "disk_read" in v.timings]
+        loads = [manager.info(k).timings for k, v in manager.versions.items() if "disk_read" in v.timings]
         rows.append({"case": f"S-LoRA trace {label} alpha={alpha} ({n} req, {b.args.rate}/s, {b.args.adapters} adapters)",
                      "section": "slora", "alpha": alpha, **r, "working_set_gb": working / 1e9,
                      "gpu_pool_gb": before["gpu"]["capacity"] / 1e9, "host_tier_gb": before["host"]["capacity"] / 1e9,
@@ -264,7 +264,8 @@ def _median_stages(stages: list[dict]) -> dict:
 
 
 def _p50(loads: list[dict], key: str) -> float | None:
-    return statistics.median(t[key] for t in loads) * 1e3 if loads else None
+    values = [t[key] for t in loads if key in t]  # a first read's hash may still run
+    return statistics.median(values) * 1e3 if values else None
 
 
 def summarize(rows: list[dict], floors: dict, b: Bench) -> dict:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,41 +26,12 @@ from loraplane.engine.lora.loader import AdapterLoader
 from loraplane.engine.lora.pinned import PinnedArena, take_or_evict
 from loraplane.engine.lora.safetensors_io import Reader, read_file
 from loraplane.engine.lora.tiers import GpuTier, HostTier
+from loraplane.engine.lora.version import AdapterVersion, known_sha256
 from loraplane.engine.lora.weights import AdapterWeights, header_ranks, load_adapter_weights
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.kernels import LoRABatchMeta, LoRAPool
 
 ARENA_WAIT_S = 0.5  # how long a parse waits for copies in flight to give arena blocks back
-
-
-@dataclass(slots=True)
-class _Version:
-    name: str
-    version: str
-    digest: str
-    folder: Path
-    rank: int
-    pool_bytes: int  # what it costs in the GPU pools
-    pinned: bool = False
-    state: str = "loaded"  # loaded | warm | failed
-    error: str | None = None
-    refs: int = 0  # running sequences (acquire / release)
-    in_flight: int = 0  # requests submitted and not finished (the async engine counts them)
-    unloading: bool = False  # takes no new requests; freed once nothing uses it
-    timings: dict[str, float] = field(default_factory=dict)
-    loading: Future | None = None  # a disk -> host parse on the loader
-    error_reason: str | None = None
-    sha256: str | None = None  # of the weights file as first read: a reload must match it
-    ranks: dict[str, int] = field(default_factory=dict)  # module -> rank (what it needs in each pool)
-    hashing: Future | None = None  # the first read's hash, (digest, seconds), while sha256 is unknown
-
-
-def _known_sha256(v: _Version) -> str | None:
-    """The digest a reload must match: the first read's (its hash long finished by the time of a reload)."""
-    if v.sha256 is None and v.hashing is not None:
-        v.sha256, v.timings["disk_hash"] = v.hashing.result()
-        v.hashing = None
-    return v.sha256
 
 
 class AdapterTiers:
@@ -76,7 +45,7 @@ class AdapterTiers:
         self.model_config, self.max_rank = model_config, max_rank
         self.dtype, self.device = pool.dtype, pool.device
         self.lock = threading.RLock()
-        self.versions: dict[str, _Version] = {}
+        self.versions: dict[str, AdapterVersion] = {}
         self.aliases: dict[str, str] = {}  # name -> serving version
         self.host = HostTier(host_bytes)
         cuda = self.device.type == "cuda"
@@ -161,7 +130,9 @@ class AdapterTiers:
             for m, r in weights.ranks.items():
                 if r > self.gpu.pools[m].num_pages:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
-            v = _Version(name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin)
+            v = AdapterVersion(
+                name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin
+            )
             v.timings["load"] = load_s
             v.sha256, v.ranks = sha256, dict(weights.ranks)
             self.versions[key] = v
@@ -182,12 +153,14 @@ class AdapterTiers:
                 if r > self.gpu.pools[m].num_pages:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
             shape = AdapterWeights(a={}, b={}, ranks=ranks)
-            v = _Version(name, version, digest, Path(folder), shape.rank, self.gpu.bytes_for(shape), pin)
+            v = AdapterVersion(
+                name, version, digest, Path(folder), shape.rank, self.gpu.bytes_for(shape), pin
+            )
             v.ranks = ranks
             self.versions[key] = v
             return self.info(key)
 
-    def get(self, key: str) -> _Version:
+    def get(self, key: str) -> AdapterVersion:
         v = self.versions.get(key)
         if v is None or v.unloading:
             raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
@@ -264,7 +237,7 @@ class AdapterTiers:
         with self.lock:
             v = self.versions[key]
             if v.hashing is not None and v.hashing.done():
-                _known_sha256(v)
+                known_sha256(v)
             return AdapterInfo(
                 name=v.name, version=v.version, digest=v.digest, state=v.state, tier=self.tier_of(key),
                 pinned=v.pinned, serving=self.aliases.get(v.name) == v.version, bytes=v.pool_bytes,
@@ -353,7 +326,7 @@ class AdapterTiers:
         weights = self.host.get(key)
         if weights is None:
             if v.loading is None:
-                v.loading = self.loader.submit(key, v.folder, _known_sha256(v))
+                v.loading = self.loader.submit(key, v.folder, known_sha256(v))
             if not v.loading.done():
                 return False
             future, v.loading = v.loading, None
