@@ -105,6 +105,7 @@ def _choices(request: Request, state: ServerState, principal: Principal, target:
     """Admit, then submit choice 0 (refusals come back as HTTP errors); Choices starts the others later."""
     ticket = _admit(state, principal, prompt, sampling.max_tokens * n)
     held = HeldTicket(ticket) if n > 1 else ticket  # n > 1: Choices gives the key's slot back at the end
+    meter = state.usage.start(request_id, principal.name, target.adapter, target.version, len(prompt))
 
     def start(index: int, child_id: str):
         tier = "gpu"
@@ -112,13 +113,13 @@ def _choices(request: Request, state: ServerState, principal: Principal, target:
             tier = state.engine.tier_of(target.key) or "remote"
             if tier != "gpu":
                 state.metrics.cold_starts.labels(tier).inc()
-        run = Run(child_id, target, tier, held, state.metrics)
+        run = Run(child_id, target, tier, held, state.metrics, meter, index)
         stream = state.engine.add_request(prompt, child_sampling(sampling, index), request_id=child_id,
                                           adapter=target.key)  # fmt: skip
         return run.outputs(stream)
 
     try:
-        choices = Choices(request_id, n, start, ticket if n > 1 else None)
+        choices = Choices(request_id, n, start, ticket if n > 1 else None, meter)
     except AdapterError as exc:  # unloaded between resolve and submit: as if it never existed
         ticket.release()
         if exc.reason == "AdapterNotFound":

@@ -20,6 +20,7 @@ from loraplane.http.errors import AUTHENTICATION, APIError
 from loraplane.http.limits import KeyLimits
 from loraplane.http.metrics import Metrics
 from loraplane.http.models import ServedModels
+from loraplane.http.usage import UsageMeter
 
 
 @dataclass(slots=True)
@@ -30,6 +31,7 @@ class ServerState:
     models: ServedModels
     api_keys: ApiKeys | None
     metrics: Metrics
+    usage: UsageMeter  # tokens per tenant and adapter version: counters, and the usage log if any
     limits: KeyLimits = field(default_factory=KeyLimits)
     adapters: AdapterRegistry | None = None  # the admin side's, once an admin app exists
 
