@@ -40,7 +40,11 @@ class Serve:
                 "--num-kv-blocks", "32", "--port", str(self.port), "--admin-port", str(self.admin_port),
                 "--admin-token-file", str(token_file), "--usage-log-dir", str(log_dir), "--log-level", "warning"]  # fmt: skip
         src = str(Path(loraplane.__file__).parents[1])  # this checkout's sources, whatever the cwd
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]),
+        }
         code = "import sys, torch; torch.set_num_threads(1); from loraplane.cli import main; sys.exit(main())"
         self.process = subprocess.Popen([sys.executable, "-c", code, *argv], env=env)
         self.url, self.model = f"http://127.0.0.1:{self.port}", model_dir.name
@@ -69,7 +73,12 @@ def _client(server: Serve, index: int, completed: list[str], stop: threading.Eve
     with httpx.Client(base_url=server.url, timeout=60) as client:
         while not stop.is_set():
             n += 1
-            body = {"model": server.model, "prompt": f"tell me {index} {n}", "max_tokens": 2 + n % 4, "seed": n}
+            body = {
+                "model": server.model,
+                "prompt": f"tell me {index} {n}",
+                "max_tokens": 2 + n % 4,
+                "seed": n,
+            }
             try:
                 if n % 2:
                     reply = client.post("/v1/completions", json=body)
@@ -100,7 +109,9 @@ def test_a_killed_server_loses_only_the_lines_of_requests_in_flight(tiny_chat_mo
     stop = threading.Event()
     try:
         server.wait_ready()
-        clients = [threading.Thread(target=_client, args=(server, i, completed, stop)) for i in range(CLIENTS)]
+        clients = [
+            threading.Thread(target=_client, args=(server, i, completed, stop)) for i in range(CLIENTS)
+        ]
         for thread in clients:
             thread.start()
         deadline = time.monotonic() + 120

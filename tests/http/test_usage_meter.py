@@ -185,3 +185,34 @@ def test_bad_log_settings_name_their_field(tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="usage_log_dir"):
         UsageLog(tmp_path / "file")
+
+
+class _Out:
+    def __init__(self, n: int) -> None:
+        self.num_output_tokens = n
+
+
+def test_a_request_is_recorded_once_when_its_last_holder_lets_go(tmp_path):
+    metrics = Metrics()
+    meter = UsageMeter(
+        metrics.registry, metrics.adapter_label, usage_log=UsageLog(tmp_path, fsync_interval_s=0)
+    )
+
+    def written() -> list[UsageRecord]:
+        return list(meter.log.read(0))
+
+    request = meter.start("cmpl-1", "team", "chat", "v1", 12)
+    assert request.hold() and request.hold()  # two choices stream
+    request.add(0, _Out(3))
+    request.add(1, _Out(2))
+    request.add(1, _Out(4))  # the count so far, not a delta
+    request.end_route("aborted")  # the client left; the runs still wind down
+    request.let_go("ok")
+    assert written() == []
+    request.let_go("aborted")
+    request.end_route("ok")  # a second word from the route changes nothing
+    assert [(r.prompt_tokens, r.completion_tokens, r.status) for r in written()] == [(12, 7, "aborted")]
+    assert not request.hold()  # a choice that starts after the record is not counted again
+    request.let_go("ok")
+    assert len(written()) == 1
+    meter.log.close()

@@ -48,8 +48,7 @@ class Run:
         m.waiting.inc()
         waiting, last, cause = True, None, None
         label = m.adapter_label(self.target.adapter)
-        if self.meter is not None:
-            self.meter.hold()
+        metered = self.meter is not None and self.meter.hold()
         try:
             async for out in stream:
                 error = getattr(out, "error", None)
@@ -96,5 +95,5 @@ class Run:
             if cause is not None:
                 m.aborted.labels(cause).inc()
                 log.info("request ended early", extra={"fields": {"cause": cause, "id": self.request_id}})
-            if self.meter is not None:
+            if metered:
                 self.meter.let_go("ok" if cause is None else "aborted" if cause == "client" else "error")

@@ -125,40 +125,48 @@ class UsageMeter:
 
 class RequestMeter:
     """One request's use while it runs. It is held by the route and by each choice's run while it streams;
-    when the last lets go, the record is written: before the answer completes (the route lets go before
-    the last SSE chunk, and before a whole answer is sent). Event loop thread only."""
+    when the last lets go, the record is written, once: before the answer completes (the route lets go
+    before the last SSE chunk, and before a whole answer is sent). A run that starts after that (a choice
+    whose client left as it started) is not counted again. Event loop thread only."""
 
-    __slots__ = ("_meter", "_id", "_tenant", "_adapter", "_version", "_prompt", "_completions", "_holds", "_status",
-                 "_route_done")  # fmt: skip
+    __slots__ = (
+        "_meter",
+        "_id",
+        "_who",
+        "_prompt",
+        "_completions",
+        "_holds",
+        "_status",
+        "_route_done",
+        "done",
+    )
 
     def __init__(self, meter: UsageMeter | None, request_id: str, tenant: str, adapter: str | None,
                  version: str | None, prompt_tokens: int) -> None:  # fmt: skip
-        self._meter, self._id, self._tenant, self._adapter, self._version = (
-            meter,
-            request_id,
-            tenant,
-            adapter,
-            version,
-        )
+        self._meter, self._id, self._who = meter, request_id, (tenant, adapter, version)
         self._prompt, self._completions = prompt_tokens, {}
-        self._holds, self._status, self._route_done = 1, "ok", False
+        self._holds, self._status, self._route_done, self.done = 1, "ok", False, False
 
-    def hold(self) -> None:
-        """A choice's run starts streaming."""
+    def hold(self) -> bool:
+        """A choice's run starts streaming; False once the record is written (the run then never lets go)."""
+        if self.done:
+            return False
         self._holds += 1
+        return True
 
     def add(self, index: int, out: RequestOutput) -> None:
         self._completions[index] = out.num_output_tokens  # counts every token so far, the stop token too
 
     def let_go(self, status: str) -> None:
-        """A choice's run ended (``status``: how)."""
+        """A holder is done (``status``: how it ended)."""
         if STATUSES.index(status) > STATUSES.index(self._status):
             self._status = status
         self._holds -= 1
-        if self._holds == 0 and self._meter is not None:
-            record = UsageRecord(self._meter.clock(), self._tenant, self._adapter, self._version, self._prompt,
-                                 sum(self._completions.values()), self._status, self._id)  # fmt: skip
-            self._meter.record(record)
+        if self._holds == 0 and not self.done:
+            self.done = True
+            if self._meter is not None:
+                self._meter.record(UsageRecord(self._meter.clock(), *self._who, self._prompt,
+                                               self.completion_tokens, self._status, self._id))  # fmt: skip
 
     def end_route(self, status: str) -> None:
         """The route is done with the request (idempotent: the first call says how)."""
