@@ -216,3 +216,20 @@ def test_a_request_is_recorded_once_when_its_last_holder_lets_go(tmp_path):
     request.let_go("ok")
     assert len(written()) == 1
     meter.log.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"usage_top_n": -1}, "usage_top_n"),
+        ({"usage_log_max_bytes": 100}, "usage_log_max_bytes"),
+        ({"usage_log_keep": -2}, "usage_log_keep"),
+        ({"usage_fsync_ms": -1}, "usage_fsync_ms"),
+        ({"usage_log_dir": __file__}, "usage_log_dir"),
+    ],  # fmt: skip
+)
+def test_bad_usage_options_name_their_field(overrides, field, tiny_chat_model_dir):
+    from loraplane.serve.options import ServeOptions
+
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        ServeOptions(model=str(tiny_chat_model_dir), **overrides)

@@ -118,7 +118,7 @@ async def collect(request: Request, engine: AsyncEngine, choices: Choices) -> tu
             async for index, out in choices:
                 results[index].add(out)
                 usages.add(index, out)
-    except (asyncio.CancelledError, GeneratorExit):
+    except asyncio.CancelledError:
         choices.meter.end_route("aborted")
         raise
     except BaseException:

@@ -86,12 +86,9 @@ class ServeOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"{name}: must be an integer >= {least}, got {value!r}")
-        if (
-            self.usage_log_dir is not None
-            and Path(self.usage_log_dir).exists()
-            and not Path(self.usage_log_dir).is_dir()
-        ):
-            raise ValueError(f"usage_log_dir: {self.usage_log_dir} exists and is not a directory")
+        folder = self.usage_log_dir
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"usage_log_dir: {folder} exists and is not a directory")
 
     def _check_model(self) -> None:
         if is_s3_uri(self.model):
