@@ -64,6 +64,14 @@ def admin_list(pod: dict) -> dict:
         return json.load(answer)
 
 
+def admin_get(pod: dict, path: str) -> bytes:
+    """Any GET on a Pod's admin port (``path`` with its query), with the admin token."""
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8001{path}")
+    request.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return answer.read()
+
+
 @dataclass
 class Stack:
     plane: object
