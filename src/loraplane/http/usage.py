@@ -4,8 +4,8 @@ ends, in Prometheus counters of bounded cardinality and in the usage log (usage_
 What counts: the prompt once per request, from the moment the engine accepted it (whatever happens next),
 and each choice's completion tokens as the engine delivered them. A request that ran to its end is counted
 exactly as the ``usage`` of its answer. A request whose client left is counted for what it generated until
-then; the tokens of the engine step that may run before the abort lands are dropped by the engine with the
-request, unseen and uncounted.
+then; tokens generated after the server stopped reading its stream (the steps before the abort reached the
+engine) are dropped by the engine with the request, unseen and uncounted.
 
 Cardinality of ``loraplane_tokens_total{tenant, adapter, version, type}``: a label set (a tenant's use of one
 adapter version) gets its own series when first seen while fewer than ``top_n`` have one, and keeps it; the
