@@ -46,7 +46,7 @@ def condition(obj: dict, type_: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or () if c["type"] == type_), {})
 
 
-POD_START = 240.0  # two torch processes starting on a busy 2-core machine
+POD_START = 480.0  # two torch processes starting on a 2-core machine that also runs the rest of the suite
 
 
 def ensure_base(stack, replicas: int = 2) -> list[dict]:
