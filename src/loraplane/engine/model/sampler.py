@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.engine.model.logits import add_logit_bias, apply_min_p, apply_penalties, ban_tokens
+from loraplane.engine.model.logits import (
+    add_logit_bias,
+    apply_min_p,
+    apply_penalties,
+    apply_token_bitmask,
+    ban_tokens,
+)
 
 
 @dataclass(slots=True)
@@ -28,6 +34,16 @@ class PenaltyRows:
     repetition: torch.Tensor  # [P] fp32
     prompt_mask: torch.Tensor  # [R, V] bool, shared state (PenaltyState)
     counts: torch.Tensor  # [R, V] int32, shared state: sample() adds each step's tokens
+
+
+@dataclass(slots=True)
+class GrammarRows:
+    """The rows of one step under a grammar (C of the S rows) and the tokens each may take next."""
+
+    rows: torch.Tensor  # [C] int64 rows of the batch
+    bitmask: (
+        torch.Tensor
+    )  # [C, ceil(V / 32)] int32 on the logits' device: bit j of word w = token 32w + j allowed
 
 
 @dataclass(slots=True)
@@ -46,6 +62,7 @@ class SamplingMetadata:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, biases) [N] each
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): min_tokens' stop tokens
     penalties: PenaltyRows | None = None
+    grammar: GrammarRows | None = None  # structured output: rows whose next token a grammar restricts
 
     def __post_init__(self) -> None:
         S = self.temperatures.shape[0]
@@ -107,9 +124,9 @@ def _sample_random(
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Logit bias, the min_tokens ban, then penalties, as vLLM orders them; logits [S, V] -> a new [S, V]
+    """Logit bias, the min_tokens ban, penalties, then the grammar's mask; logits [S, V] -> a new [S, V]
     (or ``logits`` itself when no row asks for any)."""
-    if meta.bias is None and meta.banned is None and meta.penalties is None:
+    if meta.bias is None and meta.banned is None and meta.penalties is None and meta.grammar is None:
         return logits
     x = logits.clone()
     if meta.bias is not None:
@@ -125,6 +142,8 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
             x = out
         else:
             x[p.rows] = out
+    if meta.grammar is not None:  # last: nothing after it may lift a banned token back
+        apply_token_bitmask(x, meta.grammar.rows, meta.grammar.bitmask)
     return x
 
 
