@@ -20,6 +20,7 @@ from loraplane.http.errors import AUTHENTICATION, APIError
 from loraplane.http.limits import KeyLimits
 from loraplane.http.metrics import Metrics
 from loraplane.http.models import ServedModels
+from loraplane.http.structured import Grammars
 
 
 @dataclass(slots=True)
@@ -32,6 +33,7 @@ class ServerState:
     metrics: Metrics
     limits: KeyLimits = field(default_factory=KeyLimits)
     adapters: AdapterRegistry | None = None  # the admin side's, once an admin app exists
+    grammars: Grammars = field(default_factory=Grammars)  # structured output's compiler, built on first use
 
     @property
     def max_model_len(self) -> int:
