@@ -37,6 +37,11 @@ WEATHER = {
     "type": "function",
     "function": {"name": "get_weather", "description": "Weather for a city", "parameters": SCHEMA},
 }
+FIELDS_SHOWN_HONOURED = (
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+)  # test_fields.py defers to this module
 CLOCK = {"type": "function", "function": {"name": "get_time", "description": "The time now"}}
 
 
@@ -233,3 +238,19 @@ def test_unsupported_requests_are_refused_naming_the_field(client, kwargs, param
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, **kwargs)
     assert info.value.body["param"] == param, info.value.body
+
+
+def test_tools_tool_choice_and_parallel_tool_calls_change_the_answer(client):
+    """What test_fields.py checks for every other field (its server has no room for the tools' prompt)."""
+    plain = chat(client, max_tokens=12, extra_body={"ignore_eos": True})
+    with_tools = chat(client, max_tokens=12, tools=[WEATHER], extra_body={"ignore_eos": True})
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert with_tools.choices[0].message.content != plain.choices[0].message.content
+    assert with_tools.choices[0].message.tool_calls is None  # auto: nothing call-shaped in random text
+    forced = chat(client, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    assert forced.choices[0].message.tool_calls and forced.choices[0].message.content is None
+    many = chat(client, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=1, max_tokens=400)
+    one = chat(client, tools=[WEATHER], tool_choice="required", temperature=1.0, seed=1, max_tokens=400,
+               parallel_tool_calls=False)  # fmt: skip
+    assert len(one.choices[0].message.tool_calls) == 1
+    assert many.choices[0].message != one.choices[0].message
