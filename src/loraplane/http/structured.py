@@ -25,7 +25,7 @@ INSTALL_HINT = "pip install 'loraplane[structured]'"
 _ENFORCED = frozenset(
     "type properties required additionalProperties items prefixItems minItems maxItems enum const anyOf oneOf "
     "$ref $defs definitions pattern minLength maxLength minimum maximum exclusiveMinimum exclusiveMaximum "
-    "multipleOf format maxProperties patternProperties propertyNames unevaluatedProperties contains".split()
+    "multipleOf format maxProperties patternProperties propertyNames unevaluatedProperties contains allOf".split()
 )
 _ANNOTATIONS = frozenset(
     "title description default examples $schema $id $comment deprecated readOnly writeOnly".split()
@@ -140,14 +140,20 @@ def check_schema(schema: dict, param: str) -> None:
                 continue
             if key not in _ENFORCED:
                 raise bad_request(f"{where}: JSON Schema keyword not supported for structured output", where)
-            if key == "format" and value not in _FORMATS:
+            if key == "format" and (not isinstance(value, str) or value not in _FORMATS):
                 raise bad_request(
                     f"{where}: format {value!r} not supported (supported: {', '.join(sorted(_FORMATS))})",
                     where,
                 )
-            if key in _SCHEMA_MAPS and isinstance(value, dict):
+            if key == "allOf" and not (isinstance(value, list) and len(value) == 1):
+                raise bad_request(f"{where}: only an allOf of one schema is supported", where)
+            if key in _SCHEMA_MAPS:
+                if not isinstance(value, dict):
+                    raise bad_request(f"{where}: must be an object of schemas", where)
                 pending.extend((sub, f"{where}.{name}") for name, sub in value.items())
-            elif key in _SCHEMA_LISTS and isinstance(value, list):
+            elif key in _SCHEMA_LISTS:
+                if not isinstance(value, list):
+                    raise bad_request(f"{where}: must be a list of schemas", where)
                 pending.extend((sub, f"{where}[{i}]") for i, sub in enumerate(value))
             elif key in _SCHEMA_ONE:
                 if key == "items" and isinstance(value, list):
@@ -198,7 +204,7 @@ class Grammars:
                 compiled = compiler.compile_grammar(
                     "root ::= " + " | ".join(json.dumps(c) for c in spec.value)
                 )
-        except (RuntimeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - the compiler's input is the request's alone: its error is a 400
             raise bad_request(f"{spec.param}: {_compiler_message(exc)}", spec.param) from None
         return CompiledGrammar(xgr, compiled, self._printable if spec.kind.startswith("json") else None)
 

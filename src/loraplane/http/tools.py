@@ -104,7 +104,7 @@ def _calls_schema(names: tuple[str, ...], schemas: list[dict], parallel: bool) -
 
 
 def _hoist_defs(schema: dict, prefix: str, defs: dict) -> dict:
-    local = {**schema.get("definitions", {}), **schema.get("$defs", {})}
+    local = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}  # objects: check_schema
     body = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
     text = json.dumps(body)
     for name in local:
