@@ -69,6 +69,15 @@ def timed_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def print_profile(fn) -> None:
+    """Where sample()'s time goes: host and device time by op, over ten calls after a warm-up."""
+    fn()
+    with torch.profiler.profile() as prof:
+        for _ in range(10):
+            fn()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+
+
 def make_batch(runner: ModelRunner, fields: dict, batch: int, ctx: int, seed: int) -> ScheduledBatch:
     gen = torch.Generator().manual_seed(seed)
     per = -(-(ctx + 1) // runner.block_size)
@@ -106,6 +115,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--profile", metavar="CASE", help="print torch.profiler's table of sample() for CASE")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -125,6 +135,8 @@ def run(argv: list[str]) -> dict:
             lambda x=logits, m=meta: sample(x, m, runner.sampling.default_generator), device, args.iters
         )
         meta_ms = timed_ms(lambda s=seqs: runner.sampling.metadata(s), device, args.iters)
+        if args.profile == name:
+            print_profile(lambda x=logits, m=meta: sample(x, m, runner.sampling.default_generator))
         plain = name.split(" + ")[0]
         base.setdefault(plain, step_ms)
         rows.append({"case": name, "batch": args.batch, "step_ms": step_ms, "sample_ms": sample_ms,

@@ -163,15 +163,14 @@ class SamplingBatch:
             return None
         chosen = [seqs[row] for row in rows]
         slots = self.penalties.slots(chosen)
-        values = [[s.sampling.presence_penalty, s.sampling.frequency_penalty, s.sampling.repetition_penalty]
-                  for s in chosen]  # fmt: skip
-        per_row = _tensor(values, self.device, torch.float32)  # [P, 3]
+        table = [[row, slot, s.sampling.presence_penalty, s.sampling.frequency_penalty, s.sampling.repetition_penalty]
+                 for row, slot, s in zip(rows, slots, chosen, strict=True)]  # fmt: skip
+        packed = _tensor(table, self.device, torch.float32)  # [P, 5]: one transfer a step
+        index = packed[:, :2].to(torch.int64)  # [P, 2] (row, slot), exact below 2**24
         return PenaltyRows(
-            rows=None if len(rows) == len(seqs) else _tensor(rows, self.device),
-            slots=_tensor(slots, self.device),
-            presence=per_row[:, 0],
-            frequency=per_row[:, 1],
-            repetition=per_row[:, 2],
+            table=packed,
+            rows=index[:, 0],
+            slots=index[:, 1],
             prompt_mask=self.penalties.prompt_mask,
             counts=self.penalties.counts,
         )
