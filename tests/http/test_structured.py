@@ -8,6 +8,7 @@ with a larger context than the shared one.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 
@@ -15,12 +16,14 @@ import openai
 import pytest
 
 from tests.engine.conftest import build_tiny_hf_model
+from tests.engine.peft_adapters import save_peft_adapter
 from tests.http.conftest import MODEL_NAME, ServerThread, build_chat_tokenizer
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 MAX_MODEL_LEN = 2048
+ADAPTER = "weather-bot"
 USER = [{"role": "user", "content": "hello world"}]
 SCHEMA = {
     "type": "object",
@@ -57,8 +60,18 @@ def long_chat_model_dir(tmp_path_factory):
     return out
 
 
+async def serve_local_adapter(engine, name: str, folder) -> None:
+    """As ``loraplane serve --adapter name=DIR`` does before serving."""
+    from loraplane.serve.sources import open_local_folder
+
+    local = open_local_folder(folder, None, engine.info())
+    await engine.load_adapter(name, local.version, local.path, local.digest)
+    await engine.warm_adapter(name, local.version, gpu=True)
+    await engine.set_alias(name, local.version)
+
+
 @pytest.fixture(scope="module")
-def big_server(long_chat_model_dir):
+def big_server(long_chat_model_dir, tmp_path_factory):
     tiny_chat_model_dir = long_chat_model_dir
     from loraplane.engine.core.async_engine import AsyncEngine
     from loraplane.engine.core.config import EngineConfig
@@ -70,7 +83,10 @@ def big_server(long_chat_model_dir):
     config = EngineConfig(model=str(tiny_chat_model_dir), device="cpu", dtype="float32",
                           max_model_len=MAX_MODEL_LEN, num_kv_blocks=512)  # fmt: skip
     engine = AsyncEngine(LLMEngine(config, tokenizer=tokenizer))
+    adapter_dir = save_peft_adapter(long_chat_model_dir, tmp_path_factory.mktemp("adapter") / ADAPTER, seed=3, r=8,
+                                    target_modules=["q_proj", "v_proj"])  # fmt: skip
     try:
+        asyncio.run(serve_local_adapter(engine, ADAPTER, adapter_dir))
         with ServerThread(create_app(engine, tokenizer, MODEL_NAME)) as running:
             yield running
     finally:
@@ -98,6 +114,25 @@ def test_json_schema_answers_validate(client):
         choice = response.choices[0]
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
+def test_an_adapter_and_the_base_in_one_batch_both_validate(client):
+    results = {}
+
+    def run(model):
+        results[model] = chat(client, model=model, response_format=json_schema_format()).choices[0]
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in (MODEL_NAME, ADAPTER)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for choice in results.values():
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    assert results[MODEL_NAME].message.content != results[ADAPTER].message.content  # the adapter ran
+    call = chat(client, model=ADAPTER, tools=[WEATHER], tool_choice="required", parallel_tool_calls=False)
+    call_args(call.choices[0].message.tool_calls[0], SCHEMA)
 
 
 def test_json_schema_stream_matches_the_whole_answer(client):
