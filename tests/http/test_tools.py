@@ -74,6 +74,12 @@ def test_auto_parses_hermes_blocks_and_bare_calls():
                                  '{"city": "Oslo"}}\n</tool_call>', plan)  # fmt: skip
     assert content == "Let me check." and [c.function.name for c in calls] == ["get_weather"]
     assert json.loads(calls[0].function.arguments) == {"city": "Oslo"}
+    two = (
+        '<tool_call>{"name": "get_weather", "arguments": {}}</tool_call><tool_call>{"name": "get_weather", '
+        '"arguments": {"city": "Bern"}}</tool_call>'
+    )
+    assert len(tools.parse(two, plan)[1]) == 2
+    assert len(tools.parse(two, tools.plan(request(parallel_tool_calls=False)))[1]) == 1
     content, calls = tools.parse('{"name": "get_weather", "parameters": {"city": "Rome"}}', plan)
     assert content is None and json.loads(calls[0].function.arguments) == {"city": "Rome"}
     for text in ("plain words", '<tool_call>{"name": "other", "arguments": {}}</tool_call>', "<tool_call>{"):
@@ -146,3 +152,25 @@ def test_auto_stream_without_a_call_sends_every_character():
     chunks += [json.loads(c) for c in stream(out(pieces[-1], finished=True))]
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == "a <b> <tools"
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_server_imports_no_grammar_library_until_a_request_needs_one():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, loraplane.engine.core.llm_engine, loraplane.http.app, loraplane.serve.main; "
+        "assert 'xgrammar' not in sys.modules, 'imported at start'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_structured_output_without_xgrammar_is_a_400_naming_the_field(monkeypatch):
+    import sys
+
+    from loraplane.http.structured import Grammars, Spec
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as on an image without the structured extra
+    with pytest.raises(APIError) as info:
+        Grammars().compile(Spec("json_object", {"type": "object"}, "response_format"), object(), 64)
+    assert info.value.param == "response_format" and "loraplane[structured]" in info.value.message

@@ -45,6 +45,9 @@ class ToolPlan:
     names: tuple[str, ...] = ()
     name: str | None = None  # the named function
     spec: Spec | None = None  # the grammar of required / named
+    parallel: bool = (
+        True  # parallel_tool_calls: an auto answer's calls after the first are dropped when false
+    )
 
     @property
     def parses(self) -> bool:
@@ -72,7 +75,9 @@ def plan(body: ChatCompletionRequest) -> ToolPlan:
     rendered = [tool.model_dump(exclude_none=True) for tool in tools]
     if choice is None or choice in ("auto", "none"):
         mode = choice or "auto"
-        return ToolPlan(mode, [] if mode == "none" else rendered, names)
+        return ToolPlan(
+            mode, [] if mode == "none" else rendered, names, parallel=body.parallel_tool_calls is not False
+        )
     if choice == "required":
         spec = Spec(
             "json_schema", _calls_schema(names, schemas, body.parallel_tool_calls is not False), "tools"
@@ -193,7 +198,9 @@ def parse(text: str, tool_plan: ToolPlan) -> tuple[str | None, list[ToolCall]]:
     calls = [_json(block) for block in TOOL_CALL_RE.findall(text)]
     if calls and all(_is_call(c, tool_plan.names) for c in calls):
         content = TOOL_CALL_RE.sub("", text).strip()
-        return content or None, [_call(c["name"], _args_of(c)) for c in calls]
+        return content or None, [
+            _call(c["name"], _args_of(c)) for c in calls[: None if tool_plan.parallel else 1]
+        ]
     bare = _json(text.strip())
     if _is_call(bare, tool_plan.names):
         return None, [_call(bare["name"], _args_of(bare))]
