@@ -289,3 +289,24 @@ def test_tools_tool_choice_and_parallel_tool_calls_change_the_answer(client):
                parallel_tool_calls=False)  # fmt: skip
     assert len(one.choices[0].message.tool_calls) == 1
     assert many.choices[0].message != one.choices[0].message
+
+
+def test_auto_with_a_strict_function_holds_calls_to_its_schema():
+    """Free text stays free; after <tool_call> the strict function's arguments keep to its schema, another
+    tool's to an object (random weights seldom write the tag, so the grammar is checked on strings)."""
+    from loraplane.http import tools
+    from loraplane.http.protocol import ChatCompletionRequest
+    from loraplane.http.structured import Grammars
+
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    spec = tools.plan(ChatCompletionRequest(model=MODEL_NAME, messages=USER, tools=[strict, CLOCK])).spec
+    tokenizer = build_chat_tokenizer()
+    grammar = Grammars().compile(spec, tokenizer, len(tokenizer))
+    weather = '{"city": "Oslo", "days": 2, "units": "celsius", "rain": false}'
+    good = (f'So: <tool_call>\n{{"name": "get_weather", "arguments": {weather}}}\n</tool_call> and '
+            '<tool_call>\n{"name": "get_time", "arguments": {"tz": "UTC"}}\n</tool_call>')  # fmt: skip
+    bad = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    for text, valid in ((good, True), ("just words", True), (bad, False)):
+        matcher = grammar.matcher((tokenizer.eos_token_id,))  # free text: no printable-only wrapper
+        assert matcher.accept_string(text) is valid, text
+    assert tools.plan(ChatCompletionRequest(model=MODEL_NAME, messages=USER, tools=[WEATHER])).spec is None

@@ -44,8 +44,10 @@ _MAX_SCHEMA_NODES = 10_000  # a bound on the walk (and on the compile behind it)
 class Spec:
     """What one request asks its output to be."""
 
-    kind: str  # "json_schema" | "json_object" | "regex" | "choice"
-    value: Any  # the schema (dict), the regex (str) or the choices (list of str)
+    kind: str  # "json_schema" | "json_object" | "regex" | "choice" | "tool_tags"
+    value: (
+        Any  # the schema (dict), the regex (str), the choices (list of str), [(function, schema)] (tool_tags)
+    )
     param: str  # the request field it came from: every error about it names this
 
 
@@ -200,6 +202,8 @@ class Grammars:
                 compiled = compiler.compile_json_schema(json.dumps(spec.value), any_whitespace=False)
             elif spec.kind == "regex":
                 compiled = compiler.compile_regex(spec.value)
+            elif spec.kind == "tool_tags":
+                compiled = compiler.compile_structural_tag(tool_call_tags(spec.value))
             else:  # EBNF string literals take JSON's escapes
                 compiled = compiler.compile_grammar(
                     "root ::= " + " | ".join(json.dumps(c) for c in spec.value)
@@ -207,6 +211,18 @@ class Grammars:
         except Exception as exc:  # noqa: BLE001 - the compiler's input is the request's alone: its error is a 400
             raise bad_request(f"{spec.param}: {_compiler_message(exc)}", spec.param) from None
         return CompiledGrammar(xgr, compiled, self._printable if spec.kind.startswith("json") else None)
+
+
+def tool_call_tags(functions: list[tuple[str, dict]]) -> dict:
+    """xgrammar's structural tag for Hermes tool calls: free text; after ``<tool_call>``, one of ``functions``
+    with arguments of its schema, then ``</tool_call>``, and free text again."""
+    tags = [{"type": "tag", "begin": f'<tool_call>\n{{"name": {json.dumps(name)}, "arguments": ',
+             "content": {"type": "json_schema", "json_schema": schema}, "end": "}\n</tool_call>"}
+            for name, schema in functions]  # fmt: skip
+    return {
+        "type": "structural_tag",
+        "format": {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags},
+    }
 
 
 def _compiler_message(exc: Exception) -> str:

@@ -9,7 +9,8 @@ results come back as user turns inside ``<tool_response></tool_response>``.
 
 ``tool_choice``: ``none`` renders no tools and parses nothing; ``auto`` (the default with tools) parses Hermes
 ``<tool_call>`` blocks, or an answer that is one bare ``{"name": ..., "arguments"|"parameters": ...}`` object
-(Llama 3.x), naming a listed tool; ``required`` constrains the answer (the grammar of structured output) to a
+(Llama 3.x), naming a listed tool (with ``strict`` functions, a grammar lets the text run free until
+``<tool_call>``, then holds the call to a strict function's schema); ``required`` constrains the answer (the grammar of structured output) to a
 JSON array of such calls (one at most when ``parallel_tool_calls`` is false); a named function constrains the
 answer to that function's arguments object.
 """
@@ -27,6 +28,7 @@ from loraplane.http.structured import Spec, check_schema
 
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 NO_ARGUMENTS = {"type": "object", "properties": {}}
+ANY_OBJECT = {"type": "object", "additionalProperties": True}
 _HERMES_SYSTEM = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
@@ -73,11 +75,18 @@ def plan(body: ChatCompletionRequest) -> ToolPlan:
         check_schema(params, f"tools[{i}].function.parameters")
         schemas.append(params)
     rendered = [tool.model_dump(exclude_none=True) for tool in tools]
-    if choice is None or choice in ("auto", "none"):
-        mode = choice or "auto"
-        return ToolPlan(
-            mode, [] if mode == "none" else rendered, names, parallel=body.parallel_tool_calls is not False
-        )
+    parallel = body.parallel_tool_calls is not False
+    if choice == "none":
+        return ToolPlan("none", [], names, parallel=parallel)
+    if choice is None or choice == "auto":
+        spec = None
+        if any(
+            t.function.strict for t in tools
+        ):  # strict calls keep to their schema, the others to an object
+            calls = [(t.function.name, schema if t.function.strict else ANY_OBJECT)
+                     for t, schema in zip(tools, schemas, strict=True)]  # fmt: skip
+            spec = Spec("tool_tags", calls, "tools")
+        return ToolPlan("auto", rendered, names, spec=spec, parallel=parallel)
     if choice == "required":
         spec = Spec(
             "json_schema", _calls_schema(names, schemas, body.parallel_tool_calls is not False), "tools"
