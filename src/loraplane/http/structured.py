@@ -237,8 +237,9 @@ def _printable_mask(decoded_vocab: list[bytes], vocab_size: int):
     bytes through: JSON grammars take this mask on top."""
     import torch
 
-    ok = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.int64)
-    ok[: len(decoded_vocab)] = torch.tensor([not any(b < 0x20 for b in token) for token in decoded_vocab])
+    ok = torch.zeros((vocab_size + 31) // 32 * 32, dtype=torch.int64)  # ids past the tokenizer's stay banned
+    tokens = decoded_vocab[:vocab_size]
+    ok[: len(tokens)] = torch.tensor([not any(b < 0x20 for b in token) for token in tokens])
     words = (ok.view(-1, 32) << torch.arange(32)).sum(dim=1)  # [W] in [0, 2^32)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
 
