@@ -8,7 +8,11 @@ build the step's sampling metadata:
 - ``greedy`` / ``random``: no control (temperature 0; temperature 0.8 with top-p 0.95);
 - ``+ penalties``: presence 0.5, frequency 0.5, repetition 1.1 on every row, 256 output tokens each already
   counted;
-- ``+ all``: the penalties, 8 logit-bias entries, min-p 0.05 and an active min_tokens on every row.
+- ``+ all``: the penalties, 8 logit-bias entries, min-p 0.05 and an active min_tokens on every row;
+- ``+ grammar on half``: every other row under a grammar whose mask allows a third of the vocabulary. The
+  GPU image has no grammar library, so a stand-in matcher copies a fixed bitmask row: this times the engine's
+  part (the host rows, one copy, the masked fill); the grammar library's own fill time per step is
+  bench/structured's (CPU).
 
     python bench/run.py sampling --out DIR [--shape tiny --device cpu] [--batch 64] [--ctx 512]
 """
@@ -42,15 +46,43 @@ PLAIN_RANDOM = dict(temperature=0.8, top_p=0.95)
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
 
 
+class FixedRowMatcher:
+    """A stand-in for a grammar library's matcher: fills its row from a fixed bitmask row, accepts anything."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index].copy_(self.row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class FixedRowGrammar:
+    def __init__(self, vocab: int) -> None:
+        allowed = torch.arange((vocab + 31) // 32 * 32) % 3 == 0  # a third of the vocabulary
+        words = (allowed.view(-1, 32).long() << torch.arange(32)).sum(dim=1)
+        self.row = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+    def matcher(self, stop_token_ids) -> FixedRowMatcher:
+        return FixedRowMatcher(self.row)
+
+
 def cases(vocab: int) -> dict[str, dict]:
     bias = tuple((t, 2.0) for t in range(8, 8 * 9, 8))
     everything = dict(**PENALTIES, logit_bias=bias, min_p=0.05, min_tokens=OUTPUT_TOKENS + 64)
     return {
         "greedy": dict(temperature=0.0),
         "greedy + penalties": dict(temperature=0.0, **PENALTIES),
+        "greedy + grammar on half": dict(temperature=0.0, grammar=FixedRowGrammar(vocab)),
         "random": PLAIN_RANDOM,
         "random + penalties": dict(**PLAIN_RANDOM, **PENALTIES),
         "random + all": dict(**PLAIN_RANDOM, **everything),
+        "random + grammar on half": dict(**PLAIN_RANDOM, grammar=FixedRowGrammar(vocab)),
     }
 
 
@@ -84,7 +116,11 @@ def make_batch(runner: ModelRunner, fields: dict, batch: int, ctx: int, seed: in
     chunks = []
     for i in range(batch):
         prompt = torch.randint(0, runner.vocab_size, (ctx - OUTPUT_TOKENS,), generator=gen).tolist()
-        seq = Sequence(prompt, SamplingParams(max_tokens=1024, ignore_eos=True, **fields))
+        row_fields = fields if i % 2 == 0 or "grammar" not in fields else {
+            k: v for k, v in fields.items() if k != "grammar"}  # fmt: skip
+        seq = Sequence(prompt, SamplingParams(max_tokens=1024, ignore_eos=True, **row_fields))
+        if seq.sampling.grammar is not None:  # the engine makes each sequence's matcher (add_request)
+            seq.matcher = seq.sampling.grammar.matcher(())
         for token in torch.randint(0, runner.vocab_size, (OUTPUT_TOKENS,), generator=gen).tolist():
             seq.append_token(token)
         seq.block_table = list(range(i * per, (i + 1) * per))

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplane.engine.model.logits import add_logit_bias, apply_min_p, ban_tokens
+from loraplane.engine.model.logits import add_logit_bias, apply_min_p, apply_token_bitmask, ban_tokens
 from loraplane.engine.model.penalty_kernel import penalize_
 
 
@@ -27,6 +27,16 @@ class PenaltyRows:
     slots: torch.Tensor  # [P] int64 rows of prompt_mask / counts
     prompt_mask: torch.Tensor  # [R, V] bool, shared state (PenaltyState)
     counts: torch.Tensor  # [R, V] int32, shared state: sample() adds each step's tokens
+
+
+@dataclass(slots=True)
+class GrammarRows:
+    """The rows of one step under a grammar (C of the S rows) and the tokens each may take next."""
+
+    rows: torch.Tensor  # [C] int64 rows of the batch
+    bitmask: (
+        torch.Tensor
+    )  # [C, ceil(V / 32)] int32 on the logits' device: bit j of word w = token 32w + j allowed
 
 
 @dataclass(slots=True)
@@ -45,6 +55,7 @@ class SamplingMetadata:
     bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, token ids, biases) [N] each
     banned: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): min_tokens' stop tokens
     penalties: PenaltyRows | None = None
+    grammar: GrammarRows | None = None  # structured output: rows whose next token a grammar restricts
 
     def __post_init__(self) -> None:
         S = self.temperatures.shape[0]
@@ -106,9 +117,9 @@ def _sample_random(
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    """Logit bias, the min_tokens ban, then penalties, as vLLM orders them; logits [S, V] -> a new [S, V]
+    """Logit bias, the min_tokens ban, penalties, then the grammar's mask; logits [S, V] -> a new [S, V]
     (or ``logits`` itself when no row asks for any)."""
-    if meta.bias is None and meta.banned is None and meta.penalties is None:
+    if meta.bias is None and meta.banned is None and meta.penalties is None and meta.grammar is None:
         return logits
     x = logits.clone()
     if meta.bias is not None:
@@ -118,6 +129,8 @@ def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor
     p = meta.penalties
     if p is not None:
         penalize_(x, p.table, p.prompt_mask, p.counts)
+    if meta.grammar is not None:  # last: nothing after it may lift a banned token back
+        apply_token_bitmask(x, meta.grammar.rows, meta.grammar.bitmask)
     return x
 
 
