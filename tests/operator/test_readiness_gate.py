@@ -73,12 +73,14 @@ def test_a_new_pod_is_ready_only_once_it_serves_its_adapters(world, artifacts):
         held = _pod_conditions(world, name)
         assert held["ContainersReady"] == "True" and held["Ready"] == "False", held
         assert held.get(ADAPTERS_GATE) != "True"
-        base = world.get("LoRABase", "demo")
-        assert base["status"]["readyReplicas"] == 1, "a gated pod is not counted ready"
+        seen = wait_for(lambda: (st := world.get("LoRABase", "demo").get("status") or {}).get("replicas") == 2
+                        and st, what="the base's status counting both pods")  # fmt: skip
+        assert seen["readyReplicas"] == 1, "a gated pod is not counted ready"
         second.fail = None
         wait_for(lambda: second.serving("chat") == "v1", what="chat loaded on the new pod")
         opened = wait_for(lambda: (c := _pod_conditions(world, name)).get("Ready") == "True" and c,
                           what="the new pod Ready")  # fmt: skip
         assert opened[ADAPTERS_GATE] == "True"
         world.wait_ready("chat")
-        assert condition(world.get("LoRABase", "demo"), "Ready")["status"] == "True"
+        wait_for(lambda: condition(world.get("LoRABase", "demo"), "Ready")["status"] == "True",
+                 what="the base Ready: both pods take traffic")  # fmt: skip

@@ -94,18 +94,19 @@ async def sync(ctx, namespace: str, infos: list[PodInfo], adapters: list[Adapter
         await set_gate(ctx, namespace, info.name, False, "the server's containers are not ready")
     pods = serving_pods(infos, ctx.tunables.admin_port)
     now = datetime.now(UTC)
-    pending = False
 
     async def decide(info: PodInfo) -> bool:
+        """Open the pod's gate if it may open; True while it still waits."""
         names = placed_on(info.name, adapters, pods)
         address = info.address(ctx.tunables.admin_port)
         try:
             loaded = await ctx.snapshots.get(
                 address, ctx.tunables.poll_interval, lambda: ctx.admin.list(address, token)
             )
-        except AdminError as exc:
-            loaded, names = (), names or [f"(admin API: {exc.reason})"]
-        absent = missing(loaded, names)
+        except AdminError as exc:  # a pod that does not answer waits too (up to the timeout)
+            absent = [f"(its admin API: {exc.reason})"]
+        else:
+            absent = missing(loaded, names)
         if not absent:
             await set_gate(ctx, namespace, info.name, True, f"serves its {len(names)} adapters")
             return False
@@ -116,9 +117,7 @@ async def sync(ctx, namespace: str, infos: list[PodInfo], adapters: list[Adapter
             return False
         return True
 
-    for still in await asyncio.gather(*(decide(i) for i in waiting(infos))):
-        pending = pending or still
-    return pending
+    return any(await asyncio.gather(*(decide(i) for i in waiting(infos))))
 
 
 async def set_gate(ctx, namespace: str, pod: str, open_: bool, message: str) -> None:
