@@ -194,7 +194,13 @@ def wait_ready(stack, wanted: dict[str, str], bound: float, curve: list) -> dict
     """Poll until every wanted adapter is Ready on its version; the time, and what is stuck at the bound."""
     t0 = time.monotonic()
     while True:
-        ready, stuck = ready_count(stack, wanted)
+        try:
+            ready, stuck = ready_count(stack, wanted)
+        except OSError:  # a list of thousands of objects on a loaded apiserver can outlast the read timeout
+            if time.monotonic() - t0 > bound:
+                raise
+            time.sleep(5)
+            continue
         curve.append((round(time.monotonic() - t0, 1), ready))
         if ready == len(wanted) or time.monotonic() - t0 > bound:
             return {"all_ready_s": round(time.monotonic() - t0, 1) if not stuck else None, "ready": ready,
