@@ -16,6 +16,7 @@ from loraplane.engine.api import EngineInfo
 from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.http.adapters import AdapterRegistry
 from loraplane.http.auth import OPEN, ApiKeys, Principal
+from loraplane.http.canary import Splits
 from loraplane.http.errors import AUTHENTICATION, APIError
 from loraplane.http.limits import KeyLimits
 from loraplane.http.metrics import Metrics
@@ -32,6 +33,7 @@ class ServerState:
     metrics: Metrics
     limits: KeyLimits = field(default_factory=KeyLimits)
     adapters: AdapterRegistry | None = None  # the admin side's, once an admin app exists
+    splits: Splits = field(default_factory=Splits)  # canary traffic splits, set through the admin API
 
     @property
     def max_model_len(self) -> int:
