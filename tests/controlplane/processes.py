@@ -21,7 +21,11 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+import loraplane
+
 LOCAL = Path(sys.executable).parent  # the test environment's console scripts (`loraplane`)
+# The sources the tests import: Pods run the same code (a checkout's src/ on PYTHONPATH wins over the installed one).
+SOURCES = str(Path(loraplane.__file__).resolve().parents[1])
 
 
 @dataclass
@@ -93,7 +97,7 @@ class ProcessRuntime:
         args = [self._local(a, mounts) for a in container.get("args") or ()]
         args = [a.replace("0.0.0.0", ip) for a in args]  # every Pod listens on its own address
         env = {"PATH": f"{LOCAL}:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "TRITON_INTERPRET": "1"}  # fmt: skip
+               "TRITON_INTERPRET": "1", "PYTHONPATH": SOURCES}  # fmt: skip
         for item in container.get("env") or ():
             env[item["name"]] = self._env_value(item, pod, mounts)
         account = spec.get("serviceAccountName") or "default"
