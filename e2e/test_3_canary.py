@@ -24,7 +24,10 @@ STEPS = [{"weight": 20, "pause": "25s"}, {"weight": 50, "pause": "25s"}]
 
 @pytest.fixture(scope="module")
 def pods(stack):
-    pods = ensure_base(stack)
+    try:
+        pods = ensure_base(stack)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\nkubelet errors: {stack.kubelet.errors[-5:]}") from None
     stack.add_adapter("g-v1", NAME, "v1", seed=31)
     stack.add_adapter("g-v2", NAME, "v2", seed=32)
     stack.add_adapter("g-v3", NAME, "v3", seed=33)
@@ -46,7 +49,8 @@ class Load:
 
     def __init__(self, stack):
         self.urls = [f"http://{p['status']['podIP']}:8000/v1/completions" for p in stack.ready_pods()]
-        self.client = httpx.Client(timeout=60)
+        # Idle connections expire before the server's keep-alive (uvicorn: 5 s), so none is reused as it closes.
+        self.client = httpx.Client(timeout=60, limits=httpx.Limits(keepalive_expiry=2.0))
         self.failures: list[str] = []
         self.count = 0
         self.stop = threading.Event()
