@@ -46,7 +46,7 @@ def condition(obj: dict, type_: str) -> dict:
     return next((c for c in (obj.get("status") or {}).get("conditions") or () if c["type"] == type_), {})
 
 
-POD_START = 240.0  # two torch processes starting on a busy 2-core machine
+POD_START = 480.0  # two torch processes starting on a 2-core machine that also runs the rest of the suite
 
 
 def ensure_base(stack, replicas: int = 2) -> list[dict]:
@@ -62,6 +62,14 @@ def admin_list(pod: dict) -> dict:
     request.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
     with urllib.request.urlopen(request, timeout=10) as answer:
         return json.load(answer)
+
+
+def admin_get(pod: dict, path: str) -> bytes:
+    """Any GET on a Pod's admin port (``path`` with its query), with the admin token."""
+    request = urllib.request.Request(f"http://{pod['status']['podIP']}:8001{path}")
+    request.add_header("Authorization", f"Bearer {ADMIN_TOKEN}")
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        return answer.read()
 
 
 @dataclass

@@ -10,7 +10,7 @@ import subprocess
 
 import yaml
 
-from e2e.stack import API, RELEASE, admin_list, condition, ensure_base, wait_for
+from e2e.stack import API, POD_START, RELEASE, admin_list, condition, ensure_base, wait_for
 from tests.chart.chart import CHART, ensure_tools
 from tests.controlplane.fixtures import create_namespace
 
@@ -18,7 +18,7 @@ from tests.controlplane.fixtures import create_namespace
 def test_scenario_1_helm_install_then_a_lorabase_with_two_ready_pods(stack):
     operator = wait_for(lambda: [p for p in stack.plane.list("v1", "Pod", stack.namespace)
                                  if p["metadata"]["name"].startswith(f"{RELEASE}-loraplane")
-                                 and condition(p, "Ready").get("status") == "True"], 120,
+                                 and condition(p, "Ready").get("status") == "True"], POD_START,
                         f"the operator's Pod Ready\n{stack.logs()}")  # fmt: skip
     assert operator[0]["spec"]["serviceAccountName"] == f"{RELEASE}-loraplane"
     pods = ensure_base(stack)

@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 import yaml
 
-from e2e.stack import ADMIN_TOKEN, POD_START, condition, ensure_base, wait_for
+from e2e.stack import ADMIN_TOKEN, POD_START, admin_get, condition, ensure_base, wait_for
 
 MESSAGES = [{"role": "user", "content": "hello there"}]
 MAX_TOKENS = 6
@@ -176,3 +176,17 @@ def test_scenario_8_a_tenant_key_cannot_call_another_tenants_adapter(serving):
     assert ask(pod, "beta", key="tenant-a-key-0123456789")
     with pytest.raises(Exception, match="403|404"):
         ask(pod, "beta", key="tenant-b-key-0123456789")
+    # Metered per tenant (the key's default name) and adapter version, in the Pod's usage log and counters.
+    usage = json.loads(admin_get(pod, "/admin/usage?since=0&tenant=key-0&adapter=beta"))
+    assert [(t["version"], t["requests"]) for t in usage["totals"]] == [("v2", 1)], usage
+    (record,) = usage["records"]
+    assert (
+        record["status"] == "ok"
+        and 1 <= record["completion_tokens"] <= MAX_TOKENS
+        and record["prompt_tokens"]
+    )
+    exposition = admin_get(pod, "/metrics").decode()
+    assert (
+        'loraplane_tokens_total{adapter="beta",tenant="key-0",type="completion",version="v2"}' in exposition
+    )
+    assert "tenant-b" not in exposition and "key-1" not in exposition  # refused: never metered

@@ -96,10 +96,10 @@ def lora_bytes(runner: ModelRunner, adapters) -> int:
     return sum(runner.lora.gpu.bytes_of[k] for k in keys)
 
 
-SWEEP = (  # CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default
-    {}, {"n_chunk": 128}, {"n_chunk": 256}, {"n_chunk": 128, "tile_programs": 16},
-    {"n_chunk": 64, "tile_programs": 16}, {"n_chunk": 128, "tile_programs": 16, "k_per_program": 256},
-)  # fmt: skip
+# CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default. {"table": False}:
+# the occupancy rule alone (the launches before the measured table); {"fused": True}: one launch per
+# projection (kernels/triton_fused.py).
+SWEEP = ({"table": False}, {}, {"fused": True})
 
 
 def recapture(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
@@ -214,8 +214,9 @@ def run(argv: list[str]) -> dict:
     d64 = [f"d{i}@v1" for i in range(B)]
     mixed = [None if i % 2 == 0 else f"m{i // 2}@v1" for i in range(B)]
     if args.sweep and device.type == "cuda":
+        qv = [f"qv{i}@v1" for i in range(B)]
         sweep_rows, best = sweep_policies(
-            runner, {"one": one, "d64": d64, "mixed": mixed}, median_ms, base_decode
+            runner, {"one": one, "d64": d64, "qv64": qv, "mixed": mixed}, median_ms, base_decode
         )
         rows += sweep_rows
         set_capture_policy(**best)
@@ -270,6 +271,7 @@ def run(argv: list[str]) -> dict:
             "merged_steps",
             "one_ms",
             "d64_ms",
+            "qv64_ms",
             "mixed_ms",
             "sum_x_base",
         ],  # fmt: skip
@@ -295,7 +297,7 @@ def run(argv: list[str]) -> dict:
             "target_ms: 1 adapter and q,v-only r8 <= 1.05x base; distinct and mixed: base + 1.3 x bytes/bandwidth "
             "+ 0.2 ms; prefill <= 1.10x base; base-only rows <= 1.02x base.",
             "sweep rows (--sweep): the LoRA graphs captured under each CapturePolicy, B=64 step ms of 1 adapter "
-            "(one), 64 distinct r16 (d64) and the mixed batch; the rows after them use the fastest policy.",
+            "(one), 64 distinct r16 (d64), 64 q,v-only r8 (qv64) and the mixed batch; the rows after them use the fastest policy.",
             "merged: the adapter's delta inside a copy of the projection weights, so the step runs the base "
             "kernels on them (engine/lora/merge.py); unmerged: the multi-LoRA kernels.",
         ],

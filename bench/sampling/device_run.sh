@@ -11,7 +11,8 @@ mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ -z "$SKIP_TESTS" ]; then
   (cd /tmp && timeout 300 pytest --rootdir="$R" -c "$R/pyproject.toml" -o "pythonpath=$LP $R" -p no:cacheprovider \
-    -q -rs "$R/tests/engine/test_logits_processing.py" "$R/tests/engine/test_sampler.py") 2>&1 \
+    -q -rs "$R/tests/engine/test_logits_processing.py" "$R/tests/engine/test_sampler.py" \
+    "$R/tests/engine/test_grammar_mask.py") 2>&1 \
     | tee "$O/sampling-gpu-tests.txt"
 fi
 python3 bench/run.py sampling --out "$O" "$@" 2>&1 | tee "$O/sampling.log"

@@ -8,7 +8,11 @@ build the step's sampling metadata:
 - ``greedy`` / ``random``: no control (temperature 0; temperature 0.8 with top-p 0.95);
 - ``+ penalties``: presence 0.5, frequency 0.5, repetition 1.1 on every row, 256 output tokens each already
   counted;
-- ``+ all``: the penalties, 8 logit-bias entries, min-p 0.05 and an active min_tokens on every row.
+- ``+ all``: the penalties, 8 logit-bias entries, min-p 0.05 and an active min_tokens on every row;
+- ``+ grammar on half``: every other row under a grammar whose mask allows a third of the vocabulary. The
+  GPU image has no grammar library, so a stand-in matcher copies a fixed bitmask row: this times the engine's
+  part (the host rows, one copy, the masked fill); the grammar library's own fill time per step is
+  bench/structured's (CPU).
 
     python bench/run.py sampling --out DIR [--shape tiny --device cpu] [--batch 64] [--ctx 512]
 """
@@ -42,15 +46,43 @@ PLAIN_RANDOM = dict(temperature=0.8, top_p=0.95)
 PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.5, repetition_penalty=1.1)
 
 
+class FixedRowMatcher:
+    """A stand-in for a grammar library's matcher: fills its row from a fixed bitmask row, accepts anything."""
+
+    def __init__(self, row: torch.Tensor) -> None:
+        self.row = row
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int) -> None:
+        bitmask[index].copy_(self.row)
+
+    def accept_token(self, token_id: int) -> bool:
+        return True
+
+    def is_terminated(self) -> bool:
+        return False
+
+
+class FixedRowGrammar:
+    def __init__(self, vocab: int) -> None:
+        allowed = torch.arange((vocab + 31) // 32 * 32) % 3 == 0  # a third of the vocabulary
+        words = (allowed.view(-1, 32).long() << torch.arange(32)).sum(dim=1)
+        self.row = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+    def matcher(self, stop_token_ids) -> FixedRowMatcher:
+        return FixedRowMatcher(self.row)
+
+
 def cases(vocab: int) -> dict[str, dict]:
     bias = tuple((t, 2.0) for t in range(8, 8 * 9, 8))
     everything = dict(**PENALTIES, logit_bias=bias, min_p=0.05, min_tokens=OUTPUT_TOKENS + 64)
     return {
         "greedy": dict(temperature=0.0),
         "greedy + penalties": dict(temperature=0.0, **PENALTIES),
+        "greedy + grammar on half": dict(temperature=0.0, grammar=FixedRowGrammar(vocab)),
         "random": PLAIN_RANDOM,
         "random + penalties": dict(**PLAIN_RANDOM, **PENALTIES),
         "random + all": dict(**PLAIN_RANDOM, **everything),
+        "random + grammar on half": dict(**PLAIN_RANDOM, grammar=FixedRowGrammar(vocab)),
     }
 
 
@@ -69,13 +101,26 @@ def timed_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def print_profile(fn) -> None:
+    """Where sample()'s time goes: host and device time by op, over ten calls after a warm-up."""
+    fn()
+    with torch.profiler.profile() as prof:
+        for _ in range(10):
+            fn()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+
+
 def make_batch(runner: ModelRunner, fields: dict, batch: int, ctx: int, seed: int) -> ScheduledBatch:
     gen = torch.Generator().manual_seed(seed)
     per = -(-(ctx + 1) // runner.block_size)
     chunks = []
     for i in range(batch):
         prompt = torch.randint(0, runner.vocab_size, (ctx - OUTPUT_TOKENS,), generator=gen).tolist()
-        seq = Sequence(prompt, SamplingParams(max_tokens=1024, ignore_eos=True, **fields))
+        row_fields = fields if i % 2 == 0 or "grammar" not in fields else {
+            k: v for k, v in fields.items() if k != "grammar"}  # fmt: skip
+        seq = Sequence(prompt, SamplingParams(max_tokens=1024, ignore_eos=True, **row_fields))
+        if seq.sampling.grammar is not None:  # the engine makes each sequence's matcher (add_request)
+            seq.matcher = seq.sampling.grammar.matcher(())
         for token in torch.randint(0, runner.vocab_size, (OUTPUT_TOKENS,), generator=gen).tolist():
             seq.append_token(token)
         seq.block_table = list(range(i * per, (i + 1) * per))
@@ -106,6 +151,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--profile", metavar="CASE", help="print torch.profiler's table of sample() for CASE")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -125,6 +171,8 @@ def run(argv: list[str]) -> dict:
             lambda x=logits, m=meta: sample(x, m, runner.sampling.default_generator), device, args.iters
         )
         meta_ms = timed_ms(lambda s=seqs: runner.sampling.metadata(s), device, args.iters)
+        if args.profile == name:
+            print_profile(lambda x=logits, m=meta: sample(x, m, runner.sampling.default_generator))
         plain = name.split(" + ")[0]
         base.setdefault(plain, step_ms)
         rows.append({"case": name, "batch": args.batch, "step_ms": step_ms, "sample_ms": sample_ms,

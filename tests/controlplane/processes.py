@@ -4,8 +4,10 @@ The container's image is the loraplane image, whose entrypoint is the ``loraplan
 process is ``loraplane <container args>``. What a kubelet would provide is made locally:
 - volumes: Secrets are written as files, emptyDir and hostPath are folders under the Pod's own directory, and
   every mount path in the args and env is rewritten to that folder;
-- env: plain values and ``secretKeyRef``s; ``KUBECONFIG`` points at a kubeconfig holding a TokenRequest token
-  of the Pod's ServiceAccount (what the mounted token gives a pod in a cluster);
+- env: plain values, ``secretKeyRef``s and the downward API's ``fieldRef``s, expanded in the args as
+  ``$(NAME)``; ``PYTHONPATH`` names the loraplane sources this process imports, so Pods run the code under
+  test; ``KUBECONFIG`` points at a kubeconfig holding a TokenRequest token of the Pod's ServiceAccount (what
+  the mounted token gives a pod in a cluster);
 - networking: the Pod's own loopback address replaces 0.0.0.0 in the args, so every Pod can use the same ports;
 - readiness: the container's readinessProbe (an httpGet) against that address, with its period, timeout and
   failure threshold.
@@ -14,6 +16,7 @@ process is ``loraplane <container args>``. What a kubelet would provide is made 
 from __future__ import annotations
 
 import base64
+import re
 import subprocess
 import sys
 import time
@@ -23,9 +26,11 @@ from pathlib import Path
 
 import loraplane
 
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 LOCAL = Path(sys.executable).parent  # the test environment's console scripts (`loraplane`)
-# The sources the tests import: Pods run the same code (a checkout's src/ on PYTHONPATH wins over the installed one).
-SOURCES = str(Path(loraplane.__file__).resolve().parents[1])
+SOURCES = str(
+    Path(loraplane.__file__).resolve().parents[1]
+)  # Pods run the sources under test, as this process
 
 
 @dataclass
@@ -94,12 +99,14 @@ class ProcessRuntime:
         container = spec["containers"][0]
         mounts = {m["mountPath"]: volumes[m["name"]] for m in container.get("volumeMounts") or ()
                   if m["name"] in volumes}  # fmt: skip
-        args = [self._local(a, mounts) for a in container.get("args") or ()]
-        args = [a.replace("0.0.0.0", ip) for a in args]  # every Pod listens on its own address
         env = {"PATH": f"{LOCAL}:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
                "TRITON_INTERPRET": "1", "PYTHONPATH": SOURCES}  # fmt: skip
         for item in container.get("env") or ():
             env[item["name"]] = self._env_value(item, pod, mounts)
+        # As the kubelet: $(NAME) in args becomes the container's env value (unknown names stay as written).
+        args = [_VAR.sub(lambda m: env.get(m.group(1), m.group(0)), a) for a in container.get("args") or ()]
+        args = [self._local(a, mounts) for a in args]
+        args = [a.replace("0.0.0.0", ip) for a in args]  # every Pod listens on its own address
         account = spec.get("serviceAccountName") or "default"
         env["KUBECONFIG"] = str(self.plane.service_account_kubeconfig(meta["namespace"], account))
         env.update(self.extra_env)

@@ -205,3 +205,11 @@ def test_api_keys_yaml_as_the_operator_mounts_it(tmp_path):
     with pytest.raises(ValueError, match="not valid YAML") as caught:
         ApiKeys.from_file(path)
     assert "secret-value" not in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["other", "anonymous"])
+def test_a_key_may_not_take_a_name_the_metrics_reserve(tmp_path, name):
+    path = tmp_path / "api-keys.yaml"
+    path.write_text(f"keys:\n  - key: k-one\n    name: team-a\n  - key: k-two\n    name: {name}\n")
+    with pytest.raises(ValueError, match=rf"keys\[1\]\.name: '{name}' is reserved"):
+        ApiKeys.from_file(path)

@@ -152,7 +152,8 @@ def test_completion_logprobs(client):
         ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0].type"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools[0].function.name"),
+        ({"tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
     ],
 )
 def test_bad_chat_requests_are_400_naming_the_field(client, kwargs, param):

@@ -47,6 +47,7 @@ def test_the_operators_command_line_parses(optional, tmp_path):
     assert args.memory_mode == "unified"
     assert args.gpu_adapter_bytes > 0 and args.host_adapter_bytes > 0
     assert args.admin_token_file == f"{B.ADMIN_TOKEN_DIR}/token" and args.host_cache_dir == B.CACHE_DIR
+    assert args.usage_log_dir.startswith(f"{B.CACHE_DIR}/usage/") and args.usage_log_keep == B.USAGE_LOG_KEEP
     assert (args.trusted_keys_dir is not None) == optional and (args.api_keys_file is not None) == optional
     # The pod's mounted paths, here: the options validate what the operator passes.
     (tmp_path / "token").write_text(ADMIN_TOKEN)

@@ -68,6 +68,9 @@ def test_deployment_runs_the_server_with_its_contract():
     assert f"--model-sha256={SHA}" in c["args"]
     assert f"--port={B.OPENAI_PORT}" in c["args"] and f"--admin-port={B.ADMIN_PORT}" in c["args"]
     assert "--trusted-keys-dir=/etc/loraplane/trusted-keys" in c["args"]
+    assert "--usage-log-dir=/var/cache/loraplane/usage/$(POD_NAME)" in c["args"]  # one folder per pod
+    pod_name = next(e for e in c["env"] if e["name"] == "POD_NAME")
+    assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "admin": 8001}
     assert c["readinessProbe"]["httpGet"]["path"] == "/health/ready"
     assert c["livenessProbe"]["httpGet"]["path"] == "/health/live"

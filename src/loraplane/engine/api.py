@@ -6,6 +6,7 @@ The HTTP layer sees the engine through ``AsyncEngine`` and these types only, nev
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,3 +101,32 @@ class QueueStats:
     running_adapters: frozenset[str] = frozenset()
     waiting_adapters: frozenset[str] = frozenset()
     updated_at: float = 0.0  # wall-clock seconds (time.time()) when the queues last changed
+
+
+class TokenMatcher(Protocol):
+    """One request's place in its grammar (structured output). The engine thread alone calls it: once per step
+    to fill the request's row of the allowed-token bitmask, once per sampled token to advance.
+
+    The bitmask is an int32 CPU tensor [N, ceil(V / 32)]: bit ``j`` of word ``w`` of row ``index`` set means
+    token ``32 * w + j`` may come next (the layout xgrammar and llguidance fill).
+    """
+
+    def fill_next_token_bitmask(self, bitmask: Any, index: int) -> None: ...
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance by ``token_id``; False when the grammar does not allow it (the request then fails)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The grammar is complete and ended (by a stop token, or by itself when it has none)."""
+        ...
+
+
+class Grammar(Protocol):
+    """A compiled constraint (SamplingParams.grammar), shared by every request that uses it; each sequence
+    gets its own matcher. The HTTP side builds it (with an optional grammar library); the engine imports no
+    grammar library."""
+
+    def matcher(self, stop_token_ids: tuple[int, ...]) -> TokenMatcher:
+        """A fresh matcher whose grammar ends with one of ``stop_token_ids`` (or by itself when empty)."""
+        ...

@@ -8,6 +8,7 @@ OpenAI-style ``error`` object. None of these routes exists on the public app.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 from pathlib import Path
@@ -26,6 +27,7 @@ from loraplane.http.auth import bearer_token
 from loraplane.http.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR
 from loraplane.http.logs import RequestLog
 from loraplane.http.state import ServerState, health, liveness
+from loraplane.http.usage_log import parse_since, query
 from loraplane.http.views import adapter_views
 
 POD_FAILED = "PodFailed"  # the operator's reason for "a pod refused for another reason"
@@ -104,6 +106,7 @@ def create_admin_app(state: ServerState, token: str, registry: AdapterRegistry |
     state.adapters = registry
     _install_error_handlers(app)
     _add_routes(app, state, registry, wait_s)
+    _add_usage_route(app, state)
     app.add_middleware(AdminAuth, token=token)
     app.add_middleware(RequestLog, metrics=state.metrics)
     return app
@@ -259,3 +262,27 @@ def _add_split_routes(app: FastAPI, state: ServerState) -> None:
         if not splits.drop(name):
             raise AdminError(404, "NotFound", f"{name} has no traffic split here", NOT_FOUND)
         return {"removed": name}
+
+
+TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # a key's name in the keys file
+
+
+def _add_usage_route(app: FastAPI, state: ServerState) -> None:
+    @app.get("/admin/usage")
+    async def usage(
+        since: str | None = None,
+        tenant: Annotated[str | None, Query(pattern=TENANT_PATTERN)] = None,
+        adapter: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None,
+        limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+    ) -> dict:
+        """The usage log's records of requests that ended at ``since`` or later, and their totals."""
+        if since is None:
+            raise AdminError(400, "InvalidRequest", "since: required (unix seconds or an RFC 3339 time)")
+        try:
+            start = parse_since(since)
+        except ValueError as exc:
+            raise AdminError(400, "InvalidRequest", str(exc)) from None
+        if state.usage.log is None:
+            raise AdminError(404, "NoUsageLog", "this server keeps no usage log (start it with --usage-log-dir)",
+                             NOT_FOUND)  # fmt: skip
+        return await asyncio.to_thread(query, state.usage.log, start, tenant, adapter, limit)

@@ -27,6 +27,7 @@ from loraplane.http.state import (
     require_api_key,
     server_state,
 )
+from loraplane.http.usage import UsageMeter
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # far above any prompt that fits max_model_len; stops memory abuse first
 
@@ -104,14 +105,17 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     metrics: Metrics | None = None,
     routing_metrics: bool = False,
+    usage: UsageMeter | None = None,
 ) -> FastAPI:
     """The public app. Its /openapi.json needs a key whenever keys are configured. ``routing_metrics``: serve
-    the routers' metric families at /metrics without a key (the endpoint picker scrapes the serving port)."""
+    the routers' metric families at /metrics without a key (the endpoint picker scrapes the serving port).
+    ``usage``: the token meter (by default counters in ``metrics`` only, no usage log)."""
     if not served_model_name:
         raise ValueError("served_model_name: must be non-empty")
     if isinstance(api_keys, list):
         api_keys = ApiKeys(api_keys)
     metrics = metrics if metrics is not None else Metrics()
+    usage = usage if usage is not None else UsageMeter(metrics.registry, metrics.adapter_label)
     app = FastAPI(title="loraplane", version="1", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = ServerState(
         engine=engine,
@@ -120,6 +124,7 @@ def create_app(
         models=ServedModels(served_model_name),
         api_keys=api_keys,
         metrics=metrics,
+        usage=usage,
     )
     engine.add_step_listener(metrics.on_step)
     install_error_handlers(app)

@@ -129,6 +129,7 @@ class ApiKeys:
         return self._principals[found] if found >= 0 else None
 
 
+RESERVED_NAMES = frozenset({"other", "anonymous"})
 _FIELDS = {"key", "name", "adapters", "base", "max_concurrency", "tokens_per_minute"}
 
 
@@ -140,6 +141,8 @@ def _principal(index: int, entry: dict) -> Principal:
     name = entry.get("name", f"key-{index}")
     if not isinstance(name, str) or not _LABEL.fullmatch(name):
         raise ValueError(f"{where}.name: must be 1-63 letters, digits, '.', '_' or '-'")
+    if name in RESERVED_NAMES:  # metering folds rare tenants into `other`; `anonymous` is the keyless caller
+        raise ValueError(f"{where}.name: {name!r} is reserved (metrics use it); choose another")
     adapters = entry.get("adapters")
     if adapters is not None and not (
         isinstance(adapters, list) and all(isinstance(a, str) and a for a in adapters)

@@ -8,8 +8,10 @@ refusal a 400 naming the field. Whatever passes is a SamplingParams the engine c
 from __future__ import annotations
 
 from loraplane.engine.core.sequence import SamplingParams
+from loraplane.http import tools
 from loraplane.http.errors import bad_request, from_engine_value_error
 from loraplane.http.protocol import ChatCompletionRequest, CompletionRequest
+from loraplane.http.tools import ToolPlan, template_knows_tools
 
 AnyRequest = ChatCompletionRequest | CompletionRequest
 
@@ -30,12 +32,8 @@ _OFF: dict[str, tuple] = {
     "prompt_logprobs": (),
     "allowed_token_ids": (),
     "bad_words": ([],),
-    "response_format": ({"type": "text"},),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
     "guided_grammar": (),
-    "guided_decoding_backend": (),
+    "guided_decoding_backend": ("xgrammar", "auto"),  # the one grammar library this server has
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "structured_outputs": (),
@@ -49,9 +47,6 @@ _OFF: dict[str, tuple] = {
     "vllm_xargs": (),
 }
 _CHAT_OFF: dict[str, tuple] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True, False),  # meaningless without tools
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
@@ -72,8 +67,6 @@ _CHAT_OFF: dict[str, tuple] = {
     "mm_processor_kwargs": ({},),
 }
 _MESSAGE_OFF: dict[str, tuple] = {
-    "tool_calls": ([],),
-    "tool_call_id": (),
     "function_call": (),
     "refusal": (),
     "audio": (),
@@ -118,6 +111,7 @@ def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
         _refuse_set(body, _CHAT_OFF)
         for i, message in enumerate(body.messages):
             _refuse_set(message, _MESSAGE_OFF, f"messages[{i}].")
+            _check_tool_fields(message, f"messages[{i}].")
         if body.top_logprobs and not body.logprobs:
             raise bad_request("top_logprobs: needs logprobs=true", "top_logprobs")
         if body.continue_final_message and body.add_generation_prompt:
@@ -128,6 +122,16 @@ def refuse_unsupported(body: AnyRequest, vocab_size: int) -> None:
         _refuse_set(body, _COMPLETION_OFF)
         if body.echo and body.logprobs is not None:  # it would need the prompt's own logprobs
             raise bad_request("echo: not supported together with logprobs", "echo")
+
+
+def _check_tool_fields(message, prefix: str) -> None:
+    if message.tool_calls and message.role != "assistant":
+        raise bad_request(
+            f"{prefix}tool_calls: only an assistant message carries tool calls", f"{prefix}tool_calls"
+        )
+    if (message.role == "tool") != (message.tool_call_id is not None):
+        raise bad_request(f"{prefix}tool_call_id: a tool message needs one, other messages none",
+                          f"{prefix}tool_call_id")  # fmt: skip
 
 
 def _check_logit_bias(bias: dict[str, float], vocab_size: int) -> None:
@@ -177,7 +181,7 @@ def fit_max_tokens(
 
 
 def sampling_params(
-    body: AnyRequest, max_tokens: int, logprobs: int | None, prompt_param: str
+    body: AnyRequest, max_tokens: int, logprobs: int | None, prompt_param: str, grammar=None
 ) -> SamplingParams:
     stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
     try:
@@ -197,30 +201,29 @@ def sampling_params(
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_p=body.min_p or 0.0,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise from_engine_value_error(exc, prompt_param) from None
 
 
-def chat_prompt(tokenizer, body: ChatCompletionRequest) -> list[int]:
+def chat_prompt(tokenizer, body: ChatCompletionRequest, tool_plan: ToolPlan) -> list[int]:
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("messages: the served model has no chat template; use /v1/completions", "messages")
-    conversation = []
-    for message in body.messages:
-        turn = {"role": message.role, "content": message.text()}
-        if message.name:
-            turn["name"] = message.name
-        conversation.append(turn)
+    native = template_knows_tools(tokenizer)
+    conversation = tools.conversation(body, tool_plan, native)
     if body.continue_final_message and conversation[-1]["role"] != "assistant":
         raise bad_request(
             "continue_final_message: the last message must be the assistant's", "continue_final_message"
         )
+    extra = {"tools": tool_plan.tools} if native and tool_plan.tools else {}
     try:
         text = tokenizer.apply_chat_template(
             conversation,
             tokenize=False,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
+            **extra,
         )
     except Exception as exc:  # jinja2 errors, including the template's own raise_exception()
         raise bad_request(f"messages: the chat template refused them: {exc}", "messages") from None

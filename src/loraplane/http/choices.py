@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 from loraplane.http.limits import Ticket
+from loraplane.http.usage import RequestMeter, unmetered
 
 if TYPE_CHECKING:
     from loraplane.engine.core.llm_engine import RequestOutput
@@ -53,8 +54,10 @@ Start = Callable[[int, str], AsyncIterator["RequestOutput"]]
 class Choices:
     """Starts choice 0 now (a refusal raises here, before any answer), the rest after its first output."""
 
-    def __init__(self, request_id: str, n: int, start: Start, ticket: Ticket | None = None) -> None:
+    def __init__(self, request_id: str, n: int, start: Start, ticket: Ticket | None = None,
+                 meter: RequestMeter | None = None) -> None:  # fmt: skip
         self.n, self.ids, self._start, self._ticket = n, child_ids(request_id, n), start, ticket
+        self.meter = meter if meter is not None else unmetered()  # the route lets go of it (streaming.py)
         self.started: list[str] = [self.ids[0]]  # engine request ids to abort when the client leaves
         self._first = start(0, self.ids[0])
 

@@ -39,6 +39,7 @@ _ENGINE_FIELDS = {
     "SamplingParams.frequency_penalty": "frequency_penalty",
     "SamplingParams.repetition_penalty": "repetition_penalty",
     "SamplingParams.min_p": "min_p",
+    "grammar": "response_format",  # the output left the request's grammar
 }
 
 

@@ -9,9 +9,11 @@ and answer whole or as SSE.
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from loraplane.engine.api import AdapterError, OverloadedError
+from loraplane.http import structured, tools
 from loraplane.http.auth import Principal
 from loraplane.http.canary import ROUTE_KEY_HEADER, route_key
 from loraplane.http.checks import (
@@ -23,7 +25,13 @@ from loraplane.http.checks import (
     sampling_params,
 )
 from loraplane.http.choices import Choices, HeldTicket, child_sampling
-from loraplane.http.errors import SERVER_ERROR, APIError, from_engine_value_error, too_many_requests
+from loraplane.http.errors import (
+    SERVER_ERROR,
+    APIError,
+    bad_request,
+    from_engine_value_error,
+    too_many_requests,
+)
 from loraplane.http.limits import LimitExceeded
 from loraplane.http.models import Target, model_not_found
 from loraplane.http.protocol import (
@@ -112,6 +120,7 @@ def _choices(request: Request, state: ServerState, principal: Principal, target:
     """Admit, then submit choice 0 (refusals come back as HTTP errors); Choices starts the others later."""
     ticket = _admit(state, principal, prompt, sampling.max_tokens * n)
     held = HeldTicket(ticket) if n > 1 else ticket  # n > 1: Choices gives the key's slot back at the end
+    meter = state.usage.start(request_id, principal.name, target.adapter, target.version, len(prompt))
 
     def start(index: int, child_id: str):
         tier = "gpu"
@@ -119,13 +128,13 @@ def _choices(request: Request, state: ServerState, principal: Principal, target:
             tier = state.engine.tier_of(target.key) or "remote"
             if tier != "gpu":
                 state.metrics.cold_starts.labels(tier).inc()
-        run = Run(child_id, target, tier, held, state.metrics)
+        run = Run(child_id, target, tier, held, state.metrics, meter, index)
         stream = state.engine.add_request(prompt, child_sampling(sampling, index), request_id=child_id,
                                           adapter=target.key)  # fmt: skip
         return state.splits.watch(target, run.outputs(stream))
 
     try:
-        choices = Choices(request_id, n, start, ticket if n > 1 else None)
+        choices = Choices(request_id, n, start, ticket if n > 1 else None, meter)
     except AdapterError as exc:  # unloaded between resolve and submit: as if it never existed
         ticket.release()
         if exc.reason == "AdapterNotFound":
@@ -155,6 +164,23 @@ async def _collect(request: Request, state: ServerState, choices: Choices, promp
         raise from_engine_value_error(exc, prompt_param) from None
 
 
+async def _grammar(state: ServerState, body, spec: structured.Spec | None):
+    """The engine grammar of ``spec`` (compiled off the event loop), or None."""
+    if spec is None:
+        return None
+    if body.min_tokens:
+        raise bad_request(f"min_tokens: cannot be combined with {spec.param} (the grammar decides where the "
+                          "output ends)", "min_tokens")  # fmt: skip
+    return await run_in_threadpool(state.grammars.compile, spec, state.tokenizer, state.vocab_size)
+
+
+def _chat_spec(body: ChatCompletionRequest, tool_plan: tools.ToolPlan) -> structured.Spec | None:
+    spec = structured.requested(body)
+    if spec is not None and tool_plan.spec is not None:
+        raise bad_request(f"{spec.param}: cannot be combined with tool_choice {tool_plan.mode}", spec.param)
+    return spec or tool_plan.spec
+
+
 def _sse(
     request: Request, state: ServerState, target: Target, request_id: str, choices: Choices, render: Streams
 ):
@@ -169,19 +195,22 @@ async def chat_completions(
     state = server_state(request)
     target = _target(request, state, body.model, principal, body.user)
     refuse_unsupported(body, state.vocab_size)
-    prompt = chat_prompt(state.tokenizer, body)
+    tool_plan = tools.plan(body)
+    spec = _chat_spec(body, tool_plan)
+    prompt = chat_prompt(state.tokenizer, body, tool_plan)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = fit_max_tokens(state.max_model_len, len(prompt), requested, param, None, "messages")
     num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = sampling_params(body, max_tokens, num_logprobs, "messages")
+    grammar = await _grammar(state, body, spec)
+    sampling = sampling_params(body, max_tokens, num_logprobs, "messages", grammar)
     request_id, created, texts = new_id("chatcmpl"), now(), TokenTexts(state.tokenizer)
     choices = _choices(request, state, principal, target, prompt, sampling, body.n, request_id, "messages")
     if body.stream:
         options = body.stream_options or StreamOptions()
         head = Head(request_id, body.model, created, Usages(), options.continuous_usage_stats)
         render = Streams(head, body.n, options.include_usage,
-                         lambda i: ChatStream(head, i, num_logprobs, texts))  # fmt: skip
+                         lambda i: ChatStream(head, i, num_logprobs, texts, tool_plan))  # fmt: skip
         return _sse(request, state, target, request_id, choices, render)
     results, usage = await _collect(request, state, choices, "messages")
     answers = []
@@ -189,8 +218,11 @@ async def chat_completions(
         logprobs = None
         if num_logprobs is not None:
             logprobs = chat_logprobs(result.token_ids, result.logprobs, num_logprobs, texts)
-        answers.append(ChatChoice(index=index, message=ResponseMessage(content=result.text), logprobs=logprobs,
-                                  finish_reason=result.finish_reason, stop_reason=result.stop_reason))  # fmt: skip
+        content, calls = tools.parse(result.text, tool_plan)
+        message = ResponseMessage(content=content, tool_calls=calls or None)
+        answers.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                                  finish_reason="tool_calls" if calls else result.finish_reason,
+                                  stop_reason=result.stop_reason))  # fmt: skip
     response = ChatCompletion(id=request_id, created=created, model=body.model, choices=answers, usage=usage)
     return JSONResponse(response.model_dump(), headers=_served_by(target))
 
@@ -212,7 +244,8 @@ async def completions(
         COMPLETIONS_DEFAULT_MAX_TOKENS,
         "prompt",
     )
-    sampling = sampling_params(body, max_tokens, body.logprobs, "prompt")
+    grammar = await _grammar(state, body, structured.requested(body))
+    sampling = sampling_params(body, max_tokens, body.logprobs, "prompt", grammar)
     echo = prompt_text(state.tokenizer, body.prompt) if body.echo else ""
     request_id, created, texts = new_id("cmpl"), now(), TokenTexts(state.tokenizer)
     choices = _choices(request, state, principal, target, prompt, sampling, body.n, request_id, "prompt")

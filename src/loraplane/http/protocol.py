@@ -131,13 +131,48 @@ class TextPart(_Request):
     text: str
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDef(_Request):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object (None: no arguments)
+    strict: Bool | None = None  # the arguments always follow the schema when the grammar enforces them
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class ChosenFunction(_Request):
+    name: FunctionName
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: ChosenFunction
+
+
+class CalledFunction(_Request):
+    name: str
+    arguments: str  # a JSON object, as text (as OpenAI sends it)
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls, as it answered them
+    tool_call_id: str | None = None  # a tool message: the call it answers
     # An assistant message as the client received it may carry these as null; set, they are refused.
-    tool_calls: Any = None
-    tool_call_id: Any = None
     function_call: Any = None
     refusal: Any = None
     audio: Any = None
@@ -162,10 +197,10 @@ class ChatCompletionRequest(_SamplingFields):
     prompt_cache_key: str | None = None  # likewise (the prefix cache works on content, whatever the key)
     add_generation_prompt: Bool = True  # vLLM: end the prompt with the template's assistant header
     continue_final_message: Bool = False  # vLLM: go on writing the last (assistant) message
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Bool | None = None
     # Refused by name when set (checks.REFUSED):
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -227,7 +262,8 @@ class ChatLogprobs(BaseModel):
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -249,7 +285,8 @@ class ChatCompletion(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
-    delta: dict[str, str]  # {"role": ...} first, then {"content": ...}, then {} with the finish reason
+    # {"role": ...} first, then {"content": ...} or {"tool_calls": [...]}, then {} with the finish reason
+    delta: dict[str, Any]
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None

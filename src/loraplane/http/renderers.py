@@ -9,11 +9,12 @@ with the finish reason; completions send text deltas (after the prompt, with ech
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from loraplane.http.protocol import ChatChunkChoice, ChatCompletionChunk, Completion, CompletionChoice, Usage
 from loraplane.http.streaming import TokenTexts, Usages, chat_logprobs, completion_logprobs, shown_tokens
+from loraplane.http.tools import ToolPlan, parse, streamable_len
 
 if TYPE_CHECKING:  # the HTTP side imports only the engine's public modules at run time
     from loraplane.engine.core.llm_engine import RequestOutput
@@ -39,6 +40,9 @@ class ChatStream:
     index: int
     num_logprobs: int | None  # None: no logprobs
     texts: TokenTexts
+    tool_plan: ToolPlan = field(default_factory=ToolPlan)
+    answer: str = ""  # with tools: the text so far (calls are parsed from it at the end)
+    sent: int = 0  # with tools: characters of ``answer`` streamed as content
 
     def chunk(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
         h = self.head
@@ -55,14 +59,40 @@ class ChatStream:
         ids, entries = shown_tokens(out)
         if self.num_logprobs is not None and entries:
             logprobs = chat_logprobs(ids, entries, self.num_logprobs, self.texts)
-        if out.text or logprobs is not None:
-            delta = ChatChunkChoice(index=self.index, delta={"content": out.text}, logprobs=logprobs)
+        content = self._content(out.text) if self.tool_plan.parses else out.text
+        if content or logprobs is not None:
+            delta = ChatChunkChoice(index=self.index, delta={"content": content}, logprobs=logprobs)
             chunks.append(self.chunk([delta]))
         if out.finished:
-            end = ChatChunkChoice(index=self.index, delta={}, finish_reason=out.finish_reason,
-                                  stop_reason=out.stop_reason)  # fmt: skip
+            reason = out.finish_reason
+            if self.tool_plan.parses:
+                delta = self._tool_delta()
+                if delta:
+                    chunks.append(self.chunk([ChatChunkChoice(index=self.index, delta=delta)]))
+                    reason = "tool_calls" if "tool_calls" in delta else reason
+            end = ChatChunkChoice(
+                index=self.index, delta={}, finish_reason=reason, stop_reason=out.stop_reason
+            )
             chunks.append(self.chunk([end]))
         return chunks
+
+    def _content(self, text: str) -> str:
+        """With tools, the content that may go now: an auto answer up to a (possible) <tool_call>; nothing of a
+        required or named one, which is a call by construction."""
+        self.answer += text
+        if self.tool_plan.mode != "auto":
+            return ""
+        upto = streamable_len(self.answer)
+        delta, self.sent = self.answer[self.sent : upto], max(self.sent, upto)
+        return delta
+
+    def _tool_delta(self) -> dict:
+        """The end of an answer with tools: its calls, whole, in one delta; or the content held back."""
+        _, calls = parse(self.answer, self.tool_plan)
+        if calls:
+            return {"tool_calls": [{"index": i, **call.model_dump()} for i, call in enumerate(calls)]}
+        rest = self.answer[self.sent :]
+        return {"content": rest} if rest else {}
 
 
 @dataclass(slots=True)

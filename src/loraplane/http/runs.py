@@ -20,6 +20,7 @@ from loraplane.engine.core.errors import EngineDeadError
 from loraplane.http.limits import Ticket
 from loraplane.http.metrics import Metrics
 from loraplane.http.models import Target
+from loraplane.http.usage import RequestMeter
 
 if TYPE_CHECKING:  # the HTTP side imports only the engine's public modules at run time
     from loraplane.engine.core.llm_engine import RequestOutput
@@ -38,6 +39,8 @@ class Run:
     tier: str  # where the adapter was when the request arrived: gpu | host | disk | remote
     ticket: Ticket
     metrics: Metrics
+    meter: RequestMeter | None = None  # the request's token meter (shared by its choices)
+    index: int = 0  # which choice of the request this run is
     arrived: float = field(default_factory=time.perf_counter)
 
     async def outputs(self, stream: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
@@ -45,6 +48,7 @@ class Run:
         m.waiting.inc()
         waiting, last, cause = True, None, None
         label = m.adapter_label(self.target.adapter)
+        metered = self.meter is not None and self.meter.hold()
         try:
             async for out in stream:
                 error = getattr(out, "error", None)
@@ -65,6 +69,8 @@ class Run:
                     self.ticket.add_tokens(n)
                 if out.finished and out.finish_reason == "abort":
                     cause = "client"
+                if self.meter is not None:
+                    self.meter.add(self.index, out)
                 yield out
         except OverloadedError:
             cause = "overload"
@@ -89,3 +95,5 @@ class Run:
             if cause is not None:
                 m.aborted.labels(cause).inc()
                 log.info("request ended early", extra={"fields": {"cause": cause, "id": self.request_id}})
+            if metered:
+                self.meter.let_go("ok" if cause is None else "aborted" if cause == "client" else "error")

@@ -21,6 +21,8 @@ from loraplane.http.errors import AUTHENTICATION, APIError
 from loraplane.http.limits import KeyLimits
 from loraplane.http.metrics import Metrics
 from loraplane.http.models import ServedModels
+from loraplane.http.structured import Grammars
+from loraplane.http.usage import UsageMeter
 
 
 @dataclass(slots=True)
@@ -31,9 +33,11 @@ class ServerState:
     models: ServedModels
     api_keys: ApiKeys | None
     metrics: Metrics
+    usage: UsageMeter  # tokens per tenant and adapter version: counters, and the usage log if any
     limits: KeyLimits = field(default_factory=KeyLimits)
     adapters: AdapterRegistry | None = None  # the admin side's, once an admin app exists
     splits: Splits = field(default_factory=Splits)  # canary traffic splits, set through the admin API
+    grammars: Grammars = field(default_factory=Grammars)  # structured output's compiler, built on first use
 
     @property
     def max_model_len(self) -> int:

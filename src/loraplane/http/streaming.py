@@ -113,10 +113,18 @@ class Usages:
 async def collect(request: Request, engine: AsyncEngine, choices: Choices) -> tuple[list[Generation], Usage]:
     results = [Generation() for _ in range(choices.n)]
     usages = Usages()
-    async with abort_on_disconnect(request, engine, choices.started):
-        async for index, out in choices:
-            results[index].add(out)
-            usages.add(index, out)
+    try:
+        async with abort_on_disconnect(request, engine, choices.started):
+            async for index, out in choices:
+                results[index].add(out)
+                usages.add(index, out)
+    except asyncio.CancelledError:
+        choices.meter.end_route("aborted")
+        raise
+    except BaseException:
+        choices.meter.end_route("error")
+        raise
+    choices.meter.end_route("ok")  # the usage line is written before the answer is sent
     return results, usages.usage()
 
 
@@ -124,6 +132,7 @@ async def sse(
     request: Request, engine: AsyncEngine, request_id: str, choices: Choices, render
 ) -> AsyncIterator[str]:
     """``data: {json}\n\n`` per chunk, ``data: [DONE]\n\n`` last; ``render`` is a renderers.Streams."""
+    meter = choices.meter
     async with abort_on_disconnect(request, engine, choices.started):
         try:
             for chunk in render.open():
@@ -131,10 +140,14 @@ async def sse(
             async for index, out in choices:
                 for chunk in render(index, out):
                     yield f"data: {chunk}\n\n"
+            meter.end_route("ok")  # the usage line is written before the last chunks
             for chunk in render.close():
                 yield f"data: {chunk}\n\n"
         except Exception as exc:  # the status line is long gone: report in-band, as OpenAI does
+            meter.end_route("error")
             yield f"data: {json.dumps(in_band_error(request_id, exc).body().model_dump())}\n\n"
+        finally:
+            meter.end_route("aborted")  # the client left mid-stream (a no-op once the route ended)
     yield "data: [DONE]\n\n"
 
 

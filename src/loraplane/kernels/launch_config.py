@@ -13,6 +13,7 @@ import torch
 from loraplane.kernels.metadata import LoRABatchMeta
 
 __all__ = [
+    "DECODE_TABLE",
     "CapturePolicy",
     "LaunchConfig",
     "align_hint",
@@ -30,7 +31,8 @@ class LaunchConfig:
     ``block_r``: rank rows per chunk in expand (ranks above it loop, re-touching y); ``shrink_block_r``:
     the same in shrink (all slices side by side). ``n_chunk``: columns of one slice that one expand
     program covers (a slice whose width it does not divide gets a shorter, masked last chunk). ``fused``: expand computes v itself (no shrink launch; A is re-read once per
-    column chunk, so only for tiny batches).
+    column chunk, so only for tiny batches). ``one_launch``: shrink and expand in one launch, the
+    expand by the shrink's programs once their tile's split-K planes are complete (triton_fused.py).
     """
 
     block_r: int = 16
@@ -40,6 +42,7 @@ class LaunchConfig:
     n_chunk: int = 1024
     split_k: int = 1
     fused: bool = False
+    one_launch: bool = False
     shrink_programs: int = 1024  # upper bound on grid dim 0 x split for shrink
     expand_programs: int = 16384  # upper bound on grid dim 0 x dim 1 for expand
     tile_programs: int = 0  # upper bound on grid dim 0 (programs walk tiles g, g + G, ...); 0: none
@@ -65,13 +68,21 @@ class CapturePolicy:
     ``tile_programs``: grid dim 0 (each program walks tile slots g, g + G, ...); 0: one per slot.
     ``n_chunk``: expand columns per program (power of two); 0: the occupancy rule over all slots.
     ``k_per_program``: shrink's split-K target, columns of A per program; 0: the occupancy rule.
+    ``table``: shapes listed in ``DECODE_TABLE`` take its measured launch fields (under the fields above).
+    ``fused``: one launch per projection (``triton_fused``: split-K shrink, then expand by the same
+    programs once their tile's shrink is complete) instead of a shrink and an expand launch.
     """
 
     tile_programs: int = 0
     n_chunk: int = 0
     k_per_program: int = 0
+    table: bool = True
+    fused: bool = False
 
     def __post_init__(self) -> None:
+        for name in ("table", "fused"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"CapturePolicy.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("tile_programs", "n_chunk", "k_per_program"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0 or (name != "tile_programs" and v and v & (v - 1)):
@@ -81,6 +92,20 @@ class CapturePolicy:
 
 
 _CAPTURE = [CapturePolicy()]
+
+# Captured decode launches of the Llama-3-8B projections (in_dim, out widths), measured on the H200 with
+# a B=64 capture of rank bound 64: each op of 32 layers in one graph, one launch field varied at a time,
+# the sum over 64 distinct r16 / one adapter / 64 q,v r8 / a mixed batch (bench/lora_decode/probe.py).
+# qkv: 256-column chunks 101 -> 86 us; o: 128-column tiles 52 -> 48 us; gate_up: 1024-column chunks
+# 135 -> 111 us (64 distinct: 42 -> 44 us); down: the occupancy rule was best. Fields: LaunchConfig's.
+# Measured at capacity 64; smaller captures (a handful of tile slots) keep the occupancy rule, which
+# gives them more, shorter programs than these chunks would.
+DECODE_TABLE_MIN_CAPACITY = 64
+DECODE_TABLE: dict[tuple[int, tuple[int, ...]], dict[str, int]] = {
+    (4096, (4096, 1024, 1024)): {"n_chunk": 256},
+    (4096, (4096,)): {"block_n": 128, "n_chunk": 512},
+    (4096, (14336, 14336)): {"n_chunk": 1024},
+}
 
 
 def capture_policy() -> CapturePolicy:
@@ -168,9 +193,14 @@ def pick_config(
             n_chunk *= 2
         if policy.n_chunk:
             n_chunk = max(block_n, min(policy.n_chunk, 2048, widest))
+    if meta.capture and policy.table and not policy.n_chunk and meta.capacity >= DECODE_TABLE_MIN_CAPACITY:
+        tuned = DECODE_TABLE.get((in_dim, tuple(out_dims)), {})
+        block_n = tuned.get("block_n", block_n)
+        n_chunk = max(block_n, tuned.get("n_chunk", n_chunk))
     return LaunchConfig(
         block_r=block_r, shrink_block_r=shrink_block_r, block_k=block_k, block_n=block_n, n_chunk=n_chunk,
         split_k=split, fused=False, num_stages=3, tile_programs=policy.tile_programs,
+        one_launch=meta.capture and policy.fused,
     )  # fmt: skip
 
 

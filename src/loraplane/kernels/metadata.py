@@ -55,6 +55,7 @@ class LoRABatchMeta:
         "groups",
         "plans",
         "scratch",
+        "sync",
     )
 
     def __init__(
@@ -90,6 +91,8 @@ class LoRABatchMeta:
         # Shrink outputs of those launches, by shape: kept for the metadata's whole life (not dropped at
         # build) because a CUDA graph captured over this metadata keeps their addresses.
         self.scratch: dict[tuple, torch.Tensor] = {}
+        # Per-tile-slot counters of the one-launch kernels (triton_fused), created on first use, zeros.
+        self.sync: torch.Tensor | None = None
 
     def scratch_f32(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A float32 buffer of ``shape`` owned by this metadata, shared by every launch that asks for
@@ -100,6 +103,14 @@ class LoRABatchMeta:
         if buf is None:
             buf = self.scratch[key] = torch.empty(shape, dtype=torch.float32, device=device)
         return buf
+
+    def sync_counters(self, device: torch.device) -> torch.Tensor:
+        """int32 [capacity] counters, one per tile slot, for the one-launch kernels (triton_fused): each
+        launch adds the same amount to every non-empty tile's counter, so they are never reset. Kept for
+        the metadata's life, as the shrink buffers, since graphs keep their address."""
+        if self.sync is None:
+            self.sync = torch.zeros(self.capacity, dtype=torch.int32, device=device)
+        return self.sync
 
     def _buf_len(self) -> int:
         return self.capacity * 2 + self.capacity * 3 + 1

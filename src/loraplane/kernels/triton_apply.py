@@ -16,6 +16,7 @@ from triton.runtime.errors import OutOfResources
 
 from loraplane.kernels.launch_config import LaunchConfig
 from loraplane.kernels.metadata import LoRABatchMeta
+from loraplane.kernels.triton_fused import fused_args, fused_launch
 from loraplane.kernels.triton_ops import expand_args, expand_launch, shrink_args, shrink_launch
 
 __all__ = ["ApplyPlan", "PoolsPlan", "lora_apply_pools_triton", "lora_apply_triton"]
@@ -31,13 +32,19 @@ class ApplyPlan:
     after the previous layer's expand has read it.
     """
 
-    __slots__ = ("cfg", "shrink", "expand", "v")
+    __slots__ = ("cfg", "shrink", "expand", "v", "one")
 
     def __init__(self, y, x, a, bt, pool_tables: tuple, out_dims, slice_starts, meta: LoRABatchMeta,
                  cfg: LaunchConfig) -> None:  # fmt: skip
         page_table, _, _, page_rank, max_rank = pool_tables
         self.cfg = cfg = _FALLBACK.get(cfg, cfg)
-        self.shrink, self.v = None, None
+        self.shrink, self.v, self.one = None, None, None
+        if cfg.one_launch:  # shrink and expand in one launch (triton_fused)
+            self.one, shape = fused_launch(x, a, y, bt, page_table, meta, page_rank, max_rank, cfg, out_dims,
+                                           slice_starts)  # fmt: skip
+            self.v = meta.scratch_f32(shape, x.device)
+            self.expand = self.one or None
+            return
         if not cfg.fused:
             self.shrink, shape = shrink_launch(x, a, page_table, meta, page_rank, max_rank, cfg)
             self.v = meta.scratch_f32(shape, x.device)  # outlives the plan: graphs keep its address
@@ -49,9 +56,13 @@ class ApplyPlan:
         """Launch for one layer's tensors. ``page_table_b``: expand's own table (default: the shrink's)."""
         if self.expand is None:
             return y
+        pt_b = page_table if page_table_b is None else page_table_b
+        if self.one is not None:
+            for launch in self.one:
+                launch(*fused_args(x, a, self.v, y, bt, page_table, pt_b, ranks, scales, meta))
+            return y
         if self.shrink is not None:
             self.shrink(*shrink_args(x, a, self.v, page_table, ranks, meta))
-        pt_b = page_table if page_table_b is None else page_table_b
         self.expand(*expand_args(y, self.v, bt, pt_b, ranks, scales, meta, x, a))
         return y
 
@@ -115,7 +126,7 @@ class PoolsPlan:
     as a packed module of those widths; a slot of rank 0 in one pool (an adapter without that module)
     costs that slice nothing."""
 
-    __slots__ = ("cfg", "shrink", "expand", "v", "tables")
+    __slots__ = ("cfg", "shrink", "expand", "v", "tables", "one")
 
     def __init__(self, y, x, pools, modules, starts, layer: int, meta: LoRABatchMeta, cfg: LaunchConfig):
         p0 = pools[0]
@@ -123,13 +134,19 @@ class PoolsPlan:
         widths = tuple(p.modules[m].out_dims[0] for p, m in zip(pools, modules, strict=True))
         a0, bt0 = p0.a[(layer, modules[0])], p0.bt[(layer, modules[0])]
         max_rank = max(p.max_rank for p in pools)
-        self.shrink, shape = shrink_launch(
-            x, a0, p0.page_table, meta, p0.page_rank, max_rank, cfg, len(pools)
-        )
-        self.v = meta.scratch_f32(shape, x.device)  # outlives the plan: graphs keep its address
         pt_b = [_expand_table(p) for p in pools]
-        self.expand = expand_launch(y, bt0, pt_b[0], widths, tuple(starts), meta, p0.page_rank, cfg,
-                                    len(pools), shape[0], pools=True)  # fmt: skip
+        self.one = None
+        if cfg.one_launch:  # shrink and expand in one launch (triton_fused)
+            self.one, shape = fused_launch(x, a0, y, bt0, p0.page_table, meta, p0.page_rank, max_rank, cfg,
+                                           widths, tuple(starts), len(pools))  # fmt: skip
+            self.shrink, self.expand = None, self.one or None
+        else:
+            self.shrink, shape = shrink_launch(
+                x, a0, p0.page_table, meta, p0.page_rank, max_rank, cfg, len(pools)
+            )
+            self.expand = expand_launch(y, bt0, pt_b[0], widths, tuple(starts), meta, p0.page_rank, cfg,
+                                        len(pools), shape[0], pools=True)  # fmt: skip
+        self.v = meta.scratch_f32(shape, x.device)  # outlives the plan: graphs keep its address
         rest = pools[1:]
         self.tables = (
             _pad3(_offset(p.page_table, p0.page_table) for p in rest),
@@ -147,6 +164,12 @@ class PoolsPlan:
         bts = [p.bt[(layer, m)] for p, m in zip(pools[1:], modules[1:], strict=True)]
         bo, bs = _pad3(_offset(b, bt0) for b in bts), _pad3(b.stride(0) for b in bts)
         pto, rko, sco, pto_b = self.tables
+        if self.one is not None:
+            offsets = (*ao, *pto, *rko, *bo, *bs, *pto_b, *sco)
+            for launch in self.one:
+                launch(*fused_args(x, a0, self.v, y, bt0, p0.page_table, _expand_table(p0), p0.ranks, p0.scales,
+                                   meta, offsets))  # fmt: skip
+            return y
         self.shrink(*shrink_args(x, a0, self.v, p0.page_table, p0.ranks, meta, (*ao, *pto, *rko)))
         offsets = (*bo, *bs, *pto_b, *rko, *sco)
         self.expand(

@@ -21,6 +21,7 @@ OPENAI_PORT = 8000
 ADMIN_PORT = 8001
 CONTAINER = "server"
 CACHE_DIR = "/var/cache/loraplane"
+USAGE_LOG_KEEP = 16  # rotated usage log files a pod keeps (64 MiB each) inside the host cache volume
 TRUSTED_KEYS_DIR = "/etc/loraplane/trusted-keys"
 API_KEYS_DIR = "/etc/loraplane/api-keys"
 ADMIN_TOKEN_DIR = "/etc/loraplane/admin"
@@ -104,6 +105,9 @@ def server_args(spec: BaseSpec, admin_token_key_: str, api_keys: bool, routing: 
         f"--admin-port={ADMIN_PORT}",
         f"--admin-token-file={ADMIN_TOKEN_DIR}/{admin_token_key_}",
         f"--host-cache-dir={CACHE_DIR}",
+        # One folder per pod: a hostPath cache is shared by the pods of a node. $(POD_NAME): the env below.
+        f"--usage-log-dir={CACHE_DIR}/usage/$(POD_NAME)",
+        f"--usage-log-keep={USAGE_LOG_KEEP}",
         f"--max-rank={eng.max_rank}",
         f"--gpu-adapter-bytes={eng.gpu_adapter_bytes}",
         f"--host-adapter-bytes={eng.host_adapter_bytes}",
@@ -129,6 +133,7 @@ def _env(spec: BaseSpec) -> list[dict]:
         {"name": "HOME", "value": "/tmp"},
         {"name": "TRITON_CACHE_DIR", "value": "/tmp/triton"},
         {"name": "LORAPLANE_CACHE", "value": CACHE_DIR},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
     ]
     if spec.storage.endpoint:
         env.append({"name": "AWS_ENDPOINT_URL_S3", "value": spec.storage.endpoint})

@@ -77,7 +77,7 @@ def build_app(options: ServeOptions):
         _check_base_hash(options, engine.info().base_hash)
         metrics = Metrics(options.metrics_adapter_labels)
         app = create_app(engine, tokenizer, options.model_name, api_keys, metrics=metrics,
-                         routing_metrics=options.routing_metrics)  # fmt: skip
+                         routing_metrics=options.routing_metrics, usage=usage_meter(options, metrics))  # fmt: skip
         app.state.options = options
         app.state.trusted_keys = trusted_keys(options)
     except BaseException:
@@ -89,6 +89,19 @@ def build_app(options: ServeOptions):
     else:
         log.info("API keys from %s: %d keys", options.api_keys_file, len(api_keys))
     return app, engine
+
+
+def usage_meter(options: ServeOptions, metrics):
+    """The token meter: counters in ``metrics``, and the usage log with ``--usage-log-dir``."""
+    from loraplane.http.usage import UsageMeter
+    from loraplane.http.usage_log import UsageLog
+
+    usage_log = None
+    if options.usage_log_dir is not None:
+        usage_log = UsageLog(options.usage_log_dir, options.usage_log_max_bytes, options.usage_log_keep,
+                             options.usage_fsync_ms / 1000)  # fmt: skip
+        log.info("usage log in %s", options.usage_log_dir)
+    return UsageMeter(metrics.registry, metrics.adapter_label, options.usage_top_n, usage_log)
 
 
 def trusted_keys(options: ServeOptions) -> dict[str, bytes]:
@@ -199,6 +212,8 @@ def run(options: ServeOptions, on_ready=None) -> int:
         asyncio.run(serve_all(servers, before=prepare(app)))
     finally:
         engine.close()
+        if app.state.server.usage.log is not None:
+            app.state.server.usage.log.close()  # the last lines fsynced
     return 0
 
 

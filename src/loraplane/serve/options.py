@@ -45,6 +45,11 @@ class ServeOptions:
     memory_mode: str | None = None  # EngineConfig.memory_mode: "split" or "unified" (None: its default)
     lora_merge: bool | None = None  # EngineConfig.lora_merge (None: its default, off)
     routing_metrics: bool = False  # GET /metrics on the public port: the routers' families, no token
+    usage_top_n: int = 100  # (tenant, adapter version) label sets with their own token series
+    usage_log_dir: str | None = None  # the usage log's folder (None: no log, counters only)
+    usage_log_max_bytes: int = 64 << 20  # rotate the usage log file at this size
+    usage_log_keep: int = 0  # rotated usage log files kept (0: all)
+    usage_fsync_ms: int = 1000  # fsync the usage log this often when written to (0: leave it to the OS)
 
     def __post_init__(self) -> None:
         for name in ("port", "admin_port"):
@@ -73,6 +78,17 @@ class ServeOptions:
             raise ValueError(f"tensor_parallel_size: must be a positive integer, got {tp!r}")
         if self.memory_mode not in (None, "split", "unified"):
             raise ValueError(f"memory_mode: must be 'split' or 'unified', got {self.memory_mode!r}")
+        self._check_usage()
+
+    def _check_usage(self) -> None:
+        for name, least in (("usage_top_n", 0), ("usage_log_max_bytes", 4096), ("usage_log_keep", 0),
+                            ("usage_fsync_ms", 0)):  # fmt: skip
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name}: must be an integer >= {least}, got {value!r}")
+        folder = self.usage_log_dir
+        if folder is not None and Path(folder).exists() and not Path(folder).is_dir():
+            raise ValueError(f"usage_log_dir: {folder} exists and is not a directory")
 
     def _check_model(self) -> None:
         if is_s3_uri(self.model):
@@ -174,6 +190,18 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="at most this many adapter names as metric labels; others count as 'other' (default 100)",
     )
 
+    usage = parser.add_argument_group("token metering")
+    usage.add_argument("--usage-top-n", type=int, default=100, help="(tenant, adapter version) label sets "
+                       "with their own loraplane_tokens_total series; the rest count as tenant 'other' (default 100)")  # fmt: skip
+    usage.add_argument("--usage-log-dir", help="append one JSON line per request (tenant, adapter, version, "
+                       "tokens, status) to files in this folder; GET /admin/usage reads them")  # fmt: skip
+    usage.add_argument("--usage-log-max-bytes", type=int, default=64 << 20,
+                       help="start a new usage log file at this size (default 64 MiB)")  # fmt: skip
+    usage.add_argument("--usage-log-keep", type=int, default=0,
+                       help="rotated usage log files kept; older ones are deleted (default 0: keep all)")  # fmt: skip
+    usage.add_argument("--usage-fsync-ms", type=int, default=1000, help="fsync the usage log this often while "
+                       "it is written to; 0: leave write-back to the OS (default 1000)")  # fmt: skip
+
 
 def _adapter_arg(value: str) -> tuple[str, str, bool]:
     name, sep, folder = value.partition("=")
@@ -263,5 +291,10 @@ def options_from_args(args: argparse.Namespace, model: str, served_model_name: s
         adapters=tuple((name, folder) for name, folder, _ in args.adapter),
         pinned_adapters=tuple(name for name, _, pin in args.adapter if pin),
         metrics_adapter_labels=args.metrics_adapter_labels,
+        usage_top_n=args.usage_top_n,
+        usage_log_dir=args.usage_log_dir,
+        usage_log_max_bytes=args.usage_log_max_bytes,
+        usage_log_keep=args.usage_log_keep,
+        usage_fsync_ms=args.usage_fsync_ms,
         **pod,
     )

@@ -156,6 +156,9 @@ class LLMEngine:
                 seq.cache_salt = self.scheduler.residency.digest(adapter)
             except KeyError:
                 raise AdapterError("AdapterNotFound", f"adapter: {adapter!r} is not loaded") from None
+        if sampling.grammar is not None:  # the grammar ends where the request may stop: its stop tokens
+            eos = () if sampling.ignore_eos else tuple(sorted(self.eos_token_ids))
+            seq.matcher = sampling.grammar.matcher(tuple(sampling.stop_token_ids) + eos)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         if self.tokenizer is not None:
@@ -318,8 +321,12 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: SampledToken) -> RequestOutput:
         token_id = int(token.token_id)
+        if seq.matcher is not None and not seq.matcher.accept_token(token_id):
+            raise ValueError(f"grammar: token {token_id} is outside the request's grammar")
         seq.append_token(token_id)
         reason = self._finish_reason(seq, token_id)
+        if reason is None and seq.matcher is not None and seq.matcher.is_terminated():
+            reason = "stop"  # a grammar without stop tokens (ignore_eos) ends by itself
         if reason is not None:
             self._finish(seq, reason)
         return self._output(seq, [token_id], self._logprobs(seq, token))

@@ -7,6 +7,7 @@ import math
 import time
 from dataclasses import dataclass
 from enum import Enum, auto
+from typing import Any
 
 MAX_LOGPROBS = 20
 SEED_LIMIT = 1 << 63  # torch.Generator.manual_seed takes a signed 64-bit seed
@@ -51,6 +52,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     repetition_penalty: float = 1.0  # divides positive / multiplies negative logits of prompt + output tokens
     min_p: float = 0.0  # after temperature: drop tokens with prob < min_p * the top token's prob
+    # Structured output: an api.Grammar (compiled by the HTTP side); each sequence gets its own matcher, and
+    # the sampler keeps that row's tokens inside the grammar.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         _require(
@@ -125,6 +129,16 @@ class SamplingParams:
             "min_p",
             f"must be in [0, 1], got {self.min_p!r}",
         )
+        _require(
+            self.grammar is None or callable(getattr(self.grammar, "matcher", None)),
+            "grammar",
+            "must be None or an object with a matcher(stop_token_ids) method (engine.api.Grammar)",
+        )
+        _require(
+            self.grammar is None or self.min_tokens == 0,
+            "min_tokens",
+            "cannot be combined with a grammar (the grammar decides where the output may end)",
+        )
 
     @property
     def greedy(self) -> bool:
@@ -168,6 +182,7 @@ class Sequence:
         "passed_over",
         "passed_over_since",
         "queued_at",
+        "matcher",
     )
     _ids = itertools.count()
 
@@ -203,6 +218,7 @@ class Sequence:
         self.passed_over = 0  # steps in which a later arrival was admitted while this one waited
         self.passed_over_since: float | None = None  # when that first happened (the scheduler's clock)
         self.queued_at = self.arrival_time  # when it last entered the waiting queue (the scheduler's clock)
+        self.matcher = None  # api.TokenMatcher of sampling.grammar (the engine makes it), else None
 
     def __repr__(self) -> str:
         return (

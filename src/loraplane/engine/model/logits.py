@@ -1,4 +1,5 @@
-"""Per-row logits processing, as vLLM defines it: logit bias, min_tokens, penalties, min-p.
+"""Per-row logits processing, as vLLM defines it: logit bias, min_tokens, penalties, min-p, and the grammar
+mask of structured output.
 
 Each function is one batched tensor operation over the step's logits [S, V]; the rows that use a control and
 their settings arrive as small per-row tensors built once per step (sampling_batch.py), so no request costs
@@ -50,3 +51,15 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)  # [S, 1]
     return logits.masked_fill(probs < threshold, float("-inf"))
+
+
+_BITS = 32  # tokens per word of a grammar bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set logits[rows[i], t] = -inf (in place) for every token t whose bit is clear in bitmask[i];
+    logits [S, V], rows [C] int64, bitmask [C, ceil(V / 32)] int32 (bit j of word w: token 32w + j)."""
+    V = logits.shape[1]
+    shifts = torch.arange(_BITS, device=bitmask.device, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(2) >> shifts) & 1).flatten(1)[:, :V]  # [C, W * 32] -> [C, V]
+    logits[rows] = logits[rows].masked_fill(allowed == 0, float("-inf"))

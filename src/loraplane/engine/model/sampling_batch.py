@@ -13,7 +13,7 @@ from itertools import chain, repeat
 
 import torch
 
-from loraplane.engine.model.sampler import PenaltyRows, SamplingMetadata
+from loraplane.engine.model.sampler import GrammarRows, PenaltyRows, SamplingMetadata
 
 
 class PenaltyState:
@@ -85,6 +85,8 @@ class SamplingBatch:
         self.generators: dict[int, torch.Generator] = {}
         self.default_generator = torch.Generator(device=device).manual_seed(seed)
         self.penalties = PenaltyState(vocab_size, device)
+        self.bitmask_words = (vocab_size + 31) // 32
+        self._bitmask = torch.empty(0, self.bitmask_words, dtype=torch.int32)  # host rows, reused per step
 
     def release(self, seq_ids) -> None:
         for seq_id in seq_ids:
@@ -111,6 +113,7 @@ class SamplingBatch:
             bias=self._bias(params),
             banned=self._banned(seqs),
             penalties=self._penalties(seqs),
+            grammar=self._grammar(seqs),
         )
 
     def _generators(self, seqs: list) -> list[torch.Generator | None]:
@@ -160,15 +163,34 @@ class SamplingBatch:
             return None
         chosen = [seqs[row] for row in rows]
         slots = self.penalties.slots(chosen)
-        values = [[s.sampling.presence_penalty, s.sampling.frequency_penalty, s.sampling.repetition_penalty]
-                  for s in chosen]  # fmt: skip
-        per_row = _tensor(values, self.device, torch.float32)  # [P, 3]
+        table = [[row, slot, s.sampling.presence_penalty, s.sampling.frequency_penalty, s.sampling.repetition_penalty]
+                 for row, slot, s in zip(rows, slots, chosen, strict=True)]  # fmt: skip
+        packed = _tensor(table, self.device, torch.float32)  # [P, 5]: one transfer a step
+        index = packed[:, :2].to(torch.int64)  # [P, 2] (row, slot), exact below 2**24
         return PenaltyRows(
-            rows=None if len(rows) == len(seqs) else _tensor(rows, self.device),
-            slots=_tensor(slots, self.device),
-            presence=per_row[:, 0],
-            frequency=per_row[:, 1],
-            repetition=per_row[:, 2],
+            table=packed,
+            rows=index[:, 0],
+            slots=index[:, 1],
             prompt_mask=self.penalties.prompt_mask,
             counts=self.penalties.counts,
+        )
+
+    def _grammar(self, seqs: list) -> GrammarRows | None:
+        """The constrained rows and their allowed-token bitmask [C, ceil(V / 32)] (each matcher fills its row on
+        the host, one copy takes them to the device), or None when no row has a grammar."""
+        rows = [row for row, seq in enumerate(seqs) if seq.matcher is not None]
+        if not rows:
+            return None
+        if self._bitmask.shape[0] < len(rows):  # grows to the largest constrained batch seen, then stays
+            pin = self.device.type == "cuda"
+            self._bitmask = torch.empty(
+                max(len(rows), 8), self.bitmask_words, dtype=torch.int32, pin_memory=pin
+            )
+        # The previous step's copy from this buffer is done: its tokens reached the host (sample's tolist).
+        bitmask = self._bitmask[: len(rows)]
+        bitmask.fill_(-1)
+        for index, row in enumerate(rows):
+            seqs[row].matcher.fill_next_token_bitmask(bitmask, index)
+        return GrammarRows(
+            rows=_tensor(rows, self.device), bitmask=bitmask.to(self.device, non_blocking=True)
         )
