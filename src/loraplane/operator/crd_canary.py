@@ -37,7 +37,7 @@ class CanaryStep(ApiModel):
     pause: Duration = Field(
         DEFAULT_PAUSE,
         description="How long the step lasts before its analysis, as 30s, 5m, 1h30m or 500ms. "
-        "The step then lasts until analysis.minRequests canary requests were seen.",
+        "The step then lasts until each version answered analysis.minRequests requests in it.",
     )
 
     @property
