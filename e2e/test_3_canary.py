@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from e2e.stack import ADMIN_TOKEN, admin_list, condition, ensure_base, wait_for
+from e2e.stack import ADMIN_TOKEN, POD_START, admin_list, condition, ensure_base, wait_for
 from loraplane.http.canary import BUCKETS, ROUTE_KEY_HEADER, bucket
 from loraplane.http.openai_api import VERSION_HEADER
 
@@ -24,8 +24,11 @@ STEPS = [{"weight": 20, "pause": "25s"}, {"weight": 50, "pause": "25s"}]
 
 @pytest.fixture(scope="module")
 def pods(stack):
-    try:
-        pods = ensure_base(stack)
+    try:  # the base without API keys (an earlier scenario may have set some): the load here sends none
+        ensure_base(stack)
+        pods = wait_for(lambda: len(stack.ready_pods()) == 2 and not any("--api-keys-file" in " ".join(
+            p["spec"]["containers"][0]["args"]) for p in stack.server_pods()) and stack.ready_pods(), POD_START,
+            "two Pods without API keys")  # fmt: skip
     except AssertionError as exc:
         raise AssertionError(f"{exc}\nkubelet errors: {stack.kubelet.errors[-5:]}") from None
     stack.add_adapter("g-v1", NAME, "v1", seed=31)
