@@ -145,8 +145,7 @@ async def _promote(p: Pass, views, verdict: Verdict, record: dict, text: str):
     touched(ctx, views)
     record["weight"] = 100
     message = f"every step passed; {target.version} serves every request ({text})"
-    verdict.set(C.CANARY, C.TRUE, C.CANARY_PROMOTED, message)
-    p.event("Normal", C.CANARY_PROMOTED, message)
+    verdict.set(C.CANARY, C.TRUE, C.CANARY_PROMOTED, message)  # its transition is the Event
     return None
 
 
