@@ -25,6 +25,7 @@ import gc
 import importlib.util
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -56,6 +57,8 @@ _spec.loader.exec_module(lora_bench)  # the S-LoRA trace generator of the multi-
 RANKS = (8, 16, 32, 64)
 BACKGROUND = 64  # the full decode batch of other tenants (8 with --quick)
 sys.path.insert(0, str(HERE))
+from probes import StepClock, triton_compiled  # noqa: E402
+from resident import decode_under_loads  # noqa: E402
 from workload import (  # noqa: E402
     first_token_ms,
     measure_floors,
@@ -65,9 +68,9 @@ from workload import (  # noqa: E402
 
 
 class Bench:
-    def __init__(self, args) -> None:
+    def __init__(self, args, device: torch.device | None = None) -> None:
         self.quick = args.quick
-        self.device = torch.device("cpu" if self.quick else "cuda")
+        self.device = device or torch.device("cpu" if self.quick else "cuda")
         self.dtype = torch.float32 if self.quick else torch.bfloat16
         raw = TINY if self.quick else LLAMA3_8B
         self.cfg = ModelConfig.from_dict(raw, max_model_len=2048)
@@ -115,9 +118,10 @@ class Bench:
 
 
 async def background(
-    b: Bench, engine: AsyncEngine, adapters: list, tokens: list[float], stop: asyncio.Event
+    b: Bench, engine: AsyncEngine, adapters: list, tokens: list[float], stop: asyncio.Event, decoding: set
 ) -> None:
-    """A full decode batch of other tenants: long requests whose every token time is recorded."""
+    """A full decode batch of other tenants: long requests whose every token time is recorded (``decoding``:
+    the requests past their prefill)."""
     params = SamplingParams(temperature=0.0, max_tokens=1400, ignore_eos=True)
     prompt = list(range(1, 33 if b.quick else 513))
 
@@ -125,6 +129,7 @@ async def background(
         stream = engine.add_request(prompt, params, adapter=adapters[i % len(adapters)])
         async for _ in stream:
             tokens.append(time.perf_counter())
+            decoding.add(i)
             if stop.is_set():
                 await stream.aclose()  # aborts the request
                 return
@@ -136,11 +141,12 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
     """TTFT per tier, idle then under the background batch, plus resident decode with and without loads."""
     prompt, rows = list(range(1, 257)), []
     manager = engine.engine.runner.lora
+    clock = StepClock(engine)
     samples = b.args.samples
     folders = {}
     if lora:
         manager.read = b.reader  # the disk tier reads the disk itself
-        names = [f"t{i}" for i in range(8 + 2 * samples * 3 + 40)]
+        names = [f"t{i}" for i in range(8 + 2 * samples * 3 + 70)]
         folders = write_adapter_files(b, b.tmp / "ttft", {n: 16 for n in names}, drop=True)
         for n in names:
             await engine.load_adapter(n, "v1", folders[n], f"sha256:{n}", on_disk=True)
@@ -168,58 +174,38 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
 
     tiers = ("base", "gpu", "host", "disk") if lora else ("base",)
     for state in ("idle", "loaded"):
-        stop, tokens = asyncio.Event(), []
+        stop, tokens, decoding = asyncio.Event(), [], set()
         bg = None
         if state == "loaded":
             bg = asyncio.create_task(
-                background(b, engine, [f"t{i}@v1" for i in range(8)] if lora else [None], tokens, stop)
+                background(
+                    b, engine, [f"t{i}@v1" for i in range(8)] if lora else [None], tokens, stop, decoding
+                )
             )
-            while len(tokens) < b.background * 3:
+            while len(decoding) < b.background:  # every prompt prefilled: the samples see decode steps only
                 await asyncio.sleep(0.05)
         for tier in tiers:
-            ms = [await first_token_ms(engine, prompt, await cold(tier)) for _ in range(samples)]
+            ms, stages, steps = [], [], []
+            for _ in range(samples):
+                key = await cold(tier)
+                start, compiled = time.perf_counter(), triton_compiled()
+                ms.append(await first_token_ms(engine, prompt, key))
+                steps.append(
+                    {
+                        **clock.window(start, time.perf_counter() + 1e-3),
+                        "compiles": triton_compiled() - compiled,
+                    }
+                )
+                stages.append(manager.info(key).timings if key else {})
             rows.append({"case": f"{label} TTFT {tier}, {state}", "section": "ttft", "tier": tier, "state": state,
-                         "ttft_ms": statistics.median(ms), "samples_ms": [round(x, 1) for x in ms]})  # fmt: skip
+                         "ttft_ms": statistics.median(ms), "samples_ms": [round(x, 1) for x in ms],
+                         "stages_ms": _median_stages(stages), "sample_steps": steps})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         if state == "loaded":
-            rows += await decode_under_loads(b, engine, label, tokens, cold if lora else None)
+            rows += await decode_under_loads(b, engine, label, tokens, cold if lora else None, clock)
             stop.set()
             await bg
     return rows
-
-
-async def decode_under_loads(b: Bench, engine, label: str, tokens: list[float], cold) -> list[dict]:
-    """The background batch's tokens/s over a window without loads, then one with cold loads at 10/s."""
-
-    def rate(start: float, end: float) -> float:
-        return sum(start <= t < end for t in tokens) / (end - start)
-
-    window = 1.0 if b.quick else 3.0
-    t0 = time.perf_counter()
-    await asyncio.sleep(window)
-    quiet = rate(t0, time.perf_counter())
-    rows = [{"case": f"{label} resident decode, no loads", "section": "decode", "tok_s": quiet}]
-    if cold is not None:
-        t1, tasks = time.perf_counter(), []
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        while time.perf_counter() - t1 < window:
-            key = await cold("disk")
-            tasks.append(
-                asyncio.create_task(_drain(engine.add_request(list(range(1, 65)), params, adapter=key)))
-            )
-            await asyncio.sleep(0.1)
-        busy = rate(t1, time.perf_counter())
-        await asyncio.gather(*tasks)
-        rows.append({"case": f"{label} resident decode, 10 cold loads/s", "section": "decode", "tok_s": busy,
-                     "vs_no_loads": busy / quiet if quiet else None, "loads": len(tasks)})  # fmt: skip
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    return rows
-
-
-async def _drain(stream) -> None:
-    async for _ in stream:
-        pass
 
 
 def make_assignment(args, n_requests: int, alpha: float) -> list[int]:
@@ -259,19 +245,27 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
         working = sum(b.adapter_bytes(RANKS[int(a[1:].split("@")[0]) % 4]) for a in set(adapters))
         before = dict(manager.tier_stats())
         r = await serve_trace(engine, arrivals, prompts, lens_out, adapters)
-        loads = [v.timings for v in manager.versions.values() if "disk_read" in v.timings]
+        loads = [manager.info(k).timings for k, v in manager.versions.items() if "disk_read" in v.timings]
         rows.append({"case": f"S-LoRA trace {label} alpha={alpha} ({n} req, {b.args.rate}/s, {b.args.adapters} adapters)",
                      "section": "slora", "alpha": alpha, **r, "working_set_gb": working / 1e9,
                      "gpu_pool_gb": before["gpu"]["capacity"] / 1e9, "host_tier_gb": before["host"]["capacity"] / 1e9,
                      "disk_loads": len(loads), "max_loads_in_flight": manager.loader.max_in_flight,
                      "load_read_ms_p50": _p50(loads, "disk_read"), "load_hash_ms_p50": _p50(loads, "disk_hash"),
-                     "load_stack_ms_p50": _p50(loads, "disk_stack")})  # fmt: skip
+                     "load_stack_ms_p50": _p50(loads, "disk_stack"),
+                     "arena_misses": manager.arena_misses})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
+def _median_stages(stages: list[dict]) -> dict:
+    """Per load stage (disk_read, disk_stack, disk_hash, gpu_copy_issue, gpu_copy), the median in ms."""
+    names = {k for t in stages for k in t if k not in ("load", "warm")}
+    return {k: round(statistics.median(t[k] for t in stages if k in t) * 1e3, 2) for k in sorted(names)}
+
+
 def _p50(loads: list[dict], key: str) -> float | None:
-    return statistics.median(t[key] for t in loads) * 1e3 if loads else None
+    values = [t[key] for t in loads if key in t]  # a first read's hash may still run
+    return statistics.median(values) * 1e3 if values else None
 
 
 def summarize(rows: list[dict], floors: dict, b: Bench) -> dict:
@@ -320,7 +314,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--host-gib", type=float, default=4.0, help="host tier (below the working set)")
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where adapter files are written (a real disk)")
+    parser.add_argument("--from-log", default=None, help="rebuild the report from a bench log's rows only")
     args = parser.parse_args(argv)
+    if args.from_log:
+        return from_log(Path(args.from_log), args)
     if args.quick:
         torch.set_num_threads(1)
         args.requests, args.rate, args.samples = min(args.requests, 16), 40.0, 1
@@ -349,6 +346,29 @@ def run(argv: list[str]) -> dict:
         if step:
             floors["decode_step_ms"] = step[0]["itl_p50_ms"]
         b.free(engine, model)
+    return report(rows, floors, b)
+
+
+def from_log(path: Path, args) -> dict:
+    """The report of a run from the JSON lines its log holds (a run stopped by its time limit keeps the rows
+    it finished): the floors line, then one line per row."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    floors = next(line for line in lines if "disk_gbs" in line)
+    rows = [line for line in lines if "case" in line]
+    step = [r for r in rows if r["section"] == "slora" and r["case"].startswith("S-LoRA trace base")]
+    if step:
+        floors["decode_step_ms"] = step[0]["itl_p50_ms"]
+    b = Bench(args, device=torch.device("cuda"))
+    shutil.rmtree(b.tmp)
+    out = report(rows, floors, b)
+    out["meta"] = {
+        "rebuilt from": path.name,
+        **{k: v for k, v in out["meta"].items() if "GB/s" in k or "dropped" in k},
+    }
+    return out
+
+
+def report(rows: list[dict], floors: dict, b: Bench) -> dict:
     summary = summarize(rows, floors, b)
     return {
         "title": "Adapter churn: Llama-3-8B-shaped, random bf16 weights and adapters, one H200",
@@ -357,6 +377,10 @@ def run(argv: list[str]) -> dict:
             "ttft_ms",
             "tok_s",
             "vs_no_loads",
+            "loads",
+            "step_ms_p50",
+            "step_ms_max",
+            "triton_compiles",
             "ttft_p50_ms",
             "ttft_p99_ms",
             "itl_p50_ms",
@@ -371,7 +395,7 @@ def run(argv: list[str]) -> dict:
         "rows": rows,
         "summary": summary,
         "meta": {
-            "device": torch.cuda.get_device_name() if b.device.type == "cuda" else "cpu (--quick)",
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu (--quick)",
             "torch": torch.__version__,
             "disk read GB/s (O_DIRECT)": round(floors["disk_gbs"], 2),
             "page cache read GB/s": round(floors["page_cache_gbs"], 2),

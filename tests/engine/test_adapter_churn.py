@@ -169,6 +169,34 @@ def test_a_failing_load_fails_its_own_requests_with_a_named_reason(adapters, tmp
     asyncio.run(main())
 
 
+def test_a_disk_registered_adapter_is_held_to_the_bytes_of_its_first_read(adapters, tmp_path):
+    """Its first load returns before that read's hash ends; a reload after the file changed still fails."""
+    base, folders = adapters
+    folder = tmp_path / "cold"
+    folder.mkdir()
+    for f in folders["cold1"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+
+    async def main():
+        engine = make_async(base, max_loras=1, max_lora_rank=8)  # one adapter on the GPU
+        try:
+            await engine.load_adapter("cold", "v1", folder, "sha256:cold", on_disk=True)
+            assert len(await collect(engine, "cold@v1")) == GREEDY.max_tokens  # the first read
+            await load_all(engine, folders, ("hot",))
+            assert len(await collect(engine, "hot@v1")) == GREEDY.max_tokens  # takes the GPU from cold
+            to_disk(engine, "cold")
+            weights = folder / "adapter_model.safetensors"
+            data = bytearray(weights.read_bytes())
+            data[-8:] = b"\x00" * 8
+            weights.write_bytes(bytes(data))
+            with pytest.raises(RequestError, match="ChecksumMismatch"):
+                await asyncio.wait_for(collect(engine, "cold@v1"), 30)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
+
+
 def test_loop_sleeps_while_every_request_waits_for_an_adapter(adapters):
     """The engine thread's own CPU time (time.thread_time, read on that thread after each step) over a
     stretch in which the only requests wait for a load held at the gate: a spinning loop burns ~100 %."""

@@ -134,6 +134,19 @@ def test_a_loading_adapter_blocks_nobody_behind_it():
     assert residency.is_ready("cold@1") and len(set(residency.requests)) == 1
 
 
+def test_an_adapter_ready_as_soon_as_it_is_requested_is_admitted_in_that_step():
+    class Instant(FakeResidency):  # a host-tier copy that lands at once
+        def request(self, key: str) -> None:
+            super().request(key)
+            self.loading.pop(key, None)
+            self.resident.append(key)
+
+    residency = Instant()
+    sched = make(residency)
+    seq = add(sched, "host@1")
+    assert admitted(step(sched, residency)) == [seq]
+
+
 def test_running_adapters_first_then_resident_ones_grouped_by_adapter():
     residency = FakeResidency(resident=["a@1", "b@1", "c@1"])
     sched = make(residency, max_num_seqs=1)

@@ -213,6 +213,7 @@ class AsyncEngine:
         if not registered:
             start = time.perf_counter()
             weights = await asyncio.to_thread(lora.parse, Path(folder))
+            await asyncio.to_thread(weights.digest)  # its hash may still run: never wait on the event loop
             return lora.register(name, version, Path(folder), digest, weights, pin=pin,
                                  load_s=time.perf_counter() - start)  # fmt: skip
         return lora.register(name, version, Path(folder), digest, None, pin=pin)

@@ -235,6 +235,9 @@ class Scheduler:
                 room.add(key)
             try:
                 self.residency.request(key)
+                # A copy that landed at once (host RAM -> GPU on an idle link, or on the CPU) is usable in
+                # this step: otherwise a step runs nothing and the loop sleeps for want of anything to run.
+                ready[key] = self.residency.is_ready(key)
             except Exception as error:  # noqa: BLE001 - as above
                 broken[key] = error
         if all(ready.values()):

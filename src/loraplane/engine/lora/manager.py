@@ -17,56 +17,47 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
 from loraplane.engine.lora.loader import AdapterLoader
+from loraplane.engine.lora.pinned import PinnedArena, take_or_evict
 from loraplane.engine.lora.safetensors_io import Reader, read_file
 from loraplane.engine.lora.tiers import GpuTier, HostTier
+from loraplane.engine.lora.version import AdapterVersion, known_sha256
 from loraplane.engine.lora.weights import AdapterWeights, header_ranks, load_adapter_weights
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.kernels import LoRABatchMeta, LoRAPool
 
-
-@dataclass(slots=True)
-class _Version:
-    name: str
-    version: str
-    digest: str
-    folder: Path
-    rank: int
-    pool_bytes: int  # what it costs in the GPU pools
-    pinned: bool = False
-    state: str = "loaded"  # loaded | warm | failed
-    error: str | None = None
-    refs: int = 0  # running sequences (acquire / release)
-    in_flight: int = 0  # requests submitted and not finished (the async engine counts them)
-    unloading: bool = False  # takes no new requests; freed once nothing uses it
-    timings: dict[str, float] = field(default_factory=dict)
-    loading: Future | None = None  # a disk -> host parse on the loader
-    error_reason: str | None = None
-    sha256: str | None = None  # of the weights file as first read: a reload must match it
-    ranks: dict[str, int] = field(default_factory=dict)  # module -> rank (what it needs in each pool)
+ARENA_WAIT_S = 0.5  # how long a parse waits for copies in flight to give arena blocks back
 
 
 class AdapterTiers:
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
                  host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
-                 graph_batch_size: int = 0, gpu_tier: GpuTier | None = None) -> None:  # fmt: skip
+                 graph_batch_size: int = 0, gpu_tier: GpuTier | None = None,
+                 host_arena: bool | None = None) -> None:  # fmt: skip
+        """``host_arena``: parsed adapters live in one arena of ``host_bytes`` (default: on CUDA, where it
+        is page-locked once instead of once per load)."""
         pool = next(iter(pools.values()))
         self.model_config, self.max_rank = model_config, max_rank
         self.dtype, self.device = pool.dtype, pool.device
         self.lock = threading.RLock()
-        self.versions: dict[str, _Version] = {}
+        self.versions: dict[str, AdapterVersion] = {}
         self.aliases: dict[str, str] = {}  # name -> serving version
         self.host = HostTier(host_bytes)
+        cuda = self.device.type == "cuda"
+        self.arena = (
+            PinnedArena(host_bytes, pin=cuda) if (cuda if host_arena is None else host_arena) else None
+        )
         self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
         self.gpu.share_with_kv(self._gpu_evictable, self._reclaim_for_kv)  # unified memory: KV may evict
         self.wanted: set[str] = set()  # requested toward the GPU and not there yet
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
+        self.arena_misses = 0  # parses that found no room in the arena (benchmarks, tests)
         self.read: Reader = read_file  # how weights files are read (tests inject a slow or failing one)
         self.loader = AdapterLoader(self.parse, one_cpu_thread=self.device.type == "cuda")
         self.loader.on_done = self._loaded
@@ -88,7 +79,24 @@ class AdapterTiers:
         """Read and validate a PEFT folder into host tensors (page-locked on CUDA). Any thread.
         ``sha256``: what the weights file hashed to when first read (a changed file is refused)."""
         return load_adapter_weights(folder, self.model_config, max_rank=self.max_rank, dtype=self.dtype,
-                                    pin=self.device.type == "cuda", read=self.read, sha256=sha256)  # fmt: skip
+                                    pin=self.device.type == "cuda", read=self.read, sha256=sha256,
+                                    alloc=self._host_block if self.arena is not None else None)  # fmt: skip
+
+    def _host_block(self, nbytes: int) -> torch.Tensor:
+        """Room for one parse in the host arena (loader threads); pageable memory when there is none (its
+        copy to the GPU then blocks the engine thread for the copy's length)."""
+        block = take_or_evict(self.arena, nbytes, self._drop_lru_host, ARENA_WAIT_S)
+        if block is None:
+            self.arena_misses += 1
+            block = torch.empty(nbytes, dtype=torch.uint8)
+        return block
+
+    def _drop_lru_host(self) -> bool:
+        with self.lock:
+            victim = next((k for k in self.host.entries if self._host_evictable(k)), None)
+            if victim is not None:
+                self.host.drop(victim)
+            return victim is not None
 
     def _loaded(self) -> None:
         waker = self.waker
@@ -104,6 +112,9 @@ class AdapterTiers:
     def register(self, name: str, version: str, folder: Path, digest: str, weights: AdapterWeights | None, *,
                  pin: bool = False, load_s: float = 0.0) -> AdapterInfo:  # fmt: skip
         key = adapter_key(name, version)
+        sha256 = (
+            weights.digest() if weights is not None else None
+        )  # before the lock: it may wait for the hash
         with self.lock:
             old = self.versions.get(key)
             if old is not None and old.digest != digest:
@@ -119,9 +130,11 @@ class AdapterTiers:
             for m, r in weights.ranks.items():
                 if r > self.gpu.pools[m].num_pages:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
-            v = _Version(name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin)
+            v = AdapterVersion(
+                name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin
+            )
             v.timings["load"] = load_s
-            v.sha256, v.ranks = weights.sha256, dict(weights.ranks)
+            v.sha256, v.ranks = sha256, dict(weights.ranks)
             self.versions[key] = v
             self.host.put(key, weights, self._host_evictable)
             return self.info(key)
@@ -140,12 +153,14 @@ class AdapterTiers:
                 if r > self.gpu.pools[m].num_pages:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
             shape = AdapterWeights(a={}, b={}, ranks=ranks)
-            v = _Version(name, version, digest, Path(folder), shape.rank, self.gpu.bytes_for(shape), pin)
+            v = AdapterVersion(
+                name, version, digest, Path(folder), shape.rank, self.gpu.bytes_for(shape), pin
+            )
             v.ranks = ranks
             self.versions[key] = v
             return self.info(key)
 
-    def get(self, key: str) -> _Version:
+    def get(self, key: str) -> AdapterVersion:
         v = self.versions.get(key)
         if v is None or v.unloading:
             raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
@@ -221,6 +236,8 @@ class AdapterTiers:
     def info(self, key: str) -> AdapterInfo:
         with self.lock:
             v = self.versions[key]
+            if v.hashing is not None and v.hashing.done():
+                known_sha256(v)
             return AdapterInfo(
                 name=v.name, version=v.version, digest=v.digest, state=v.state, tier=self.tier_of(key),
                 pinned=v.pinned, serving=self.aliases.get(v.name) == v.version, bytes=v.pool_bytes,
@@ -301,13 +318,15 @@ class AdapterTiers:
         v = self.versions[key]
         if self.gpu.done(key):
             self.wanted.discard(key)
+            if key in self.gpu.copy_s:
+                v.timings["gpu_copy"] = self.gpu.copy_s.pop(key)
             return True
         if self.gpu.holds(key) or v.state == "failed":
             return False  # copy in flight, or it cannot be loaded again
         weights = self.host.get(key)
         if weights is None:
             if v.loading is None:
-                v.loading = self.loader.submit(key, v.folder, v.sha256)
+                v.loading = self.loader.submit(key, v.folder, known_sha256(v))
             if not v.loading.done():
                 return False
             future, v.loading = v.loading, None
@@ -318,7 +337,8 @@ class AdapterTiers:
                 v.state, v.error, v.error_reason = "failed", f"{reason}: {error}", reason
                 return False
             v.timings.update({f"disk_{k}": t for k, t in weights.timings.items()})
-            v.sha256 = v.sha256 or weights.sha256  # registered on disk: its first read fixes the bytes
+            if v.sha256 is None:  # registered on disk: its first read fixes the bytes (hashed off this path)
+                v.sha256, v.hashing = weights.sha256, weights.hashing
             self.host.put(key, weights, self._host_evictable)
         if not self.gpu.make_room(weights, self._gpu_evictable):
             return False
@@ -396,3 +416,5 @@ class AdapterTiers:
 
     def close(self) -> None:
         self.loader.close()
+        if self.arena is not None:
+            self.arena.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+_ELEM = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100 << 20
 
 
@@ -117,7 +118,7 @@ def _tensor(name: str, entry, data: torch.Tensor, start: int, size: int) -> torc
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
         raise SafetensorsFormatError(f"{name}: data_offsets {offsets!r} is not [begin, end]")
     begin, end = offsets
-    elem = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    elem = _ELEM[dtype]
     if not 0 <= begin <= end <= size:
         raise SafetensorsFormatError(
             f"{name}: data [{begin}, {end}) lies outside the {size} data bytes (truncated?)"

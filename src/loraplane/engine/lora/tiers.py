@@ -13,6 +13,7 @@ running or queued request, not in the step being built).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -20,6 +21,8 @@ import torch
 
 from loraplane.engine.lora.weights import AdapterWeights
 from loraplane.kernels import LoRAPool
+
+MAX_RUNS = 2  # runs of consecutive pages placed by slicing; past that, by one indexed copy per layer
 
 
 class HostTier:
@@ -66,7 +69,8 @@ class GpuTier:
         self._free_ids = list(range(self.num_slots - 1, -1, -1))
         self.slot_id: dict[str, int] = {}
         self.ranks = [0] * self.num_slots  # largest rank over modules per slot (the metadata builder's view)
-        self._pending: dict[str, tuple[torch.cuda.Event, AdapterWeights]] = {}  # copies in flight
+        self._pending: dict[str, tuple[torch.cuda.Event, AdapterWeights, float]] = {}  # copies in flight
+        self.copy_s: dict[str, float] = {}  # key -> seconds from issue until its copy was seen landed
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # TP hook: rank 0 repeats every copy and eviction on the workers (parallel/lora_sync.py)
         self.mirror = None
@@ -103,6 +107,7 @@ class GpuTier:
             if not pending[0].query():
                 return False
             del self._pending[key]
+            self.copy_s[key] = time.perf_counter() - pending[2]
         return True
 
     def copies_in_flight(self) -> bool:
@@ -135,6 +140,7 @@ class GpuTier:
 
     def start_copy(self, key: str, weights: AdapterWeights) -> None:
         """Allocate the version's pages in every module it has and copy its factors in (async on CUDA)."""
+        start = time.perf_counter()
         gid = self._free_ids.pop()
         slots = {m: self.pools[m].allocate(r, 1.0, slot=gid) for m, r in weights.ranks.items()}  # scale in B
         self.slots[key], self.slot_id[key], self.ranks[gid] = slots, gid, weights.rank
@@ -150,17 +156,26 @@ class GpuTier:
             self._write(slots, weights)
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._pending[key] = (event, weights)  # keeps the pinned source alive until the copy lands
+        self._pending[key] = (event, weights, start)  # keeps the pinned source alive until the copy lands
 
     def _write(self, slots: dict[str, int], weights: AdapterWeights) -> None:
-        """Per module: one host-to-device copy per factor, one transpose of B, then one multi-tensor copy
-        per run of consecutive physical rows over every layer (not one indexed copy per layer)."""
+        """Per module: one host-to-device copy per factor and one transpose of B, then the rows placed into
+        the slot's pages: one multi-tensor copy over every layer per run of consecutive rows, or, once the
+        pages are scattered (a pool that has evicted), one indexed copy per layer and factor, so the engine
+        thread's work no longer grows with the number of runs (up to the rank)."""
         for m, slot in slots.items():
             pool = self.pools[m]
             a = weights.a[m].to(self.device, non_blocking=True)  # [L, r_m, in]
             bt = weights.b[m].to(self.device, non_blocking=True).transpose(1, 2).contiguous()  # [L, r_m, out]
             layers = range(pool.num_layers)
-            for row, src, n in _row_runs(pool, slot):
+            runs = _row_runs(pool, slot)
+            if len(runs) > MAX_RUNS:
+                rows = pool.rows_of(slot)  # int64 [r_m]: the physical row of each rank-row
+                for i in layers:
+                    pool.a[(i, m)][0].index_copy_(0, rows, a[i])
+                    pool.bt[(i, m)].index_copy_(0, rows, bt[i])
+                continue
+            for row, src, n in runs:
                 dst = [pool.a[(i, m)][0, row : row + n] for i in layers]
                 dst += [pool.bt[(i, m)][row : row + n] for i in layers]
                 torch._foreach_copy_(
@@ -182,6 +197,7 @@ class GpuTier:
         self.ranks[gid] = 0
         self._free_ids.append(gid)
         self.bytes_of.pop(key, None)
+        self.copy_s.pop(key, None)
 
 
 def _row_runs(pool: LoRAPool, slot: int) -> list[tuple[int, int, int]]:

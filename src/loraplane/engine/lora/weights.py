@@ -19,7 +19,8 @@ import hashlib
 import json
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch
 from loraplane.artifacts.errors import BAD_MANIFEST, ArtifactError
 from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
 from loraplane.engine.api import AdapterError
+from loraplane.engine.lora.layout import Layout, Layouts, fill, header_key, layout_of
 from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file, read_header
 from loraplane.engine.model.model_config import ModelConfig
 
@@ -47,8 +49,16 @@ class AdapterWeights:
     a: dict[str, torch.Tensor]  # module -> [L, r_m, in]
     b: dict[str, torch.Tensor]  # module -> [L, out, r_m] (scaled)
     ranks: dict[str, int] = field(default_factory=dict)  # module -> r_m (largest over layers)
-    sha256: str | None = None  # "sha256:<hex>" of the weights file it was read from
+    sha256: str | None = None  # "sha256:<hex>" of the weights file it was read from (see ``digest``)
     timings: dict[str, float] = field(default_factory=dict)  # read / hash / stack seconds
+    hashing: Future | None = None  # (digest, seconds) of a hash still running when the load returned
+
+    def digest(self) -> str | None:
+        """``sha256``, waiting for the hash of a first read (no digest to check) if it is still running."""
+        if self.sha256 is None and self.hashing is not None:
+            self.sha256, self.timings["hash"] = self.hashing.result()
+            self.hashing = None
+        return self.sha256
 
     @property
     def rank(self) -> int:
@@ -102,16 +112,20 @@ def _refuse_key(key: str) -> AdapterError:
     return AdapterError("UnknownModule", f"{WEIGHTS_FILE}: tensor {key!r} is not a served LoRA A/B weight")
 
 
+Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 host tensor the result is carved from
+
+
 def load_adapter_weights(
     folder: Path, cfg: ModelConfig, *, max_rank: int, dtype: torch.dtype = torch.float32, pin: bool = False,
-    read: Reader = read_file, sha256: str | None = None,
+    read: Reader = read_file, sha256: str | None = None, alloc: Alloc | None = None,
 ) -> AdapterWeights:  # fmt: skip
     """Parse, validate and scale one PEFT folder; raises AdapterError naming the field / file / tensor.
 
     One read of the weights file (``read``), views of its tensors, then per module one stack of A, one of B
-    and one scale multiply: a few large ops that release the GIL, whatever the number of layers. ``pin``:
-    the result lives in one page-locked buffer (CUDA hosts). ``sha256``: the file must hash to it
-    ("sha256:<hex>"), else ``ChecksumMismatch``; the result carries the file's hash either way."""
+    and one scale multiply: a few large ops that release the GIL, whatever the number of layers. The result
+    lives in one buffer: ``alloc(nbytes)``'s (the host tier's page-locked arena), else a new one, page-locked
+    when ``pin``. ``sha256``: the file must hash to it ("sha256:<hex>"), else ``ChecksumMismatch``; without
+    it the hash of this read (which fixes the bytes) may still run when this returns: ``digest()``."""
     folder = Path(folder)
     config = read_config(folder)
     path = folder / WEIGHTS_FILE
@@ -125,29 +139,48 @@ def load_adapter_weights(
     except OSError as exc:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
     timings["read"] = (t1 := time.perf_counter()) - t0
-    try:
-        tensors = parse(buf)  # views only: a truncated or malformed file is named before it is hashed
-    except SafetensorsFormatError as exc:
-        raise AdapterError(
-            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
-        ) from None
+    shapes, alloc = module_shapes(cfg), alloc or _new_buffer(pin)
+    key = header_key(buf, repr(config), tuple(shapes.items()), cfg.num_layers, max_rank, dtype)
+    layout = LAYOUTS.get(key, len(buf))
+    tensors = _parse(buf) if layout is None else None  # views: a malformed file is named before it is hashed
     hashing = _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
     try:
-        factors = _factors(tensors, config, cfg, max_rank)
-        out = _stack(factors, module_shapes(cfg), cfg.num_layers, dtype, pin)
-        _check_finite(out, factors)
+        data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+        if layout is not None:
+            out, bad = _stack_known(layout, data, shapes, cfg.num_layers, alloc)
+            factors = _factors(_parse(buf), config, cfg, max_rank) if bad else {}  # only to name the tensor
+        else:
+            factors = _factors(tensors, config, cfg, max_rank)
+            out, bad = _stack(factors, shapes, cfg.num_layers, dtype, alloc)
+            if not bad and (found := layout_of(factors, data, len(buf), cfg.num_layers, dtype)) is not None:
+                LAYOUTS.put(key, found)
+        _check_finite(bad, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
-        digest, timings["hash"] = hashing.result()
-    if sha256 is not None and digest != sha256:
+    out.timings = timings
+    if sha256 is None:  # nothing to check it against: the hash finishes off the load's path (``digest()``)
+        out.hashing = hashing
+        return out
+    digest, timings["hash"] = hashing.result()
+    if digest != sha256:
         raise AdapterError(
             "ChecksumMismatch", f"{WEIGHTS_FILE}: hashes to {digest}, not the {sha256} it was loaded with"
         )
-    out.sha256, out.timings = digest, timings
+    out.sha256 = digest
     return out
 
 
 _HASHER = ThreadPoolExecutor(4, thread_name_prefix="loraplane-adapter-hash")
+LAYOUTS = Layouts()  # file layouts learned by full parses (layout.py)
+
+
+def _parse(buf: memoryview) -> dict[str, torch.Tensor]:
+    try:
+        return parse(buf)
+    except SafetensorsFormatError as exc:
+        raise AdapterError(
+            "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
+        ) from None
 
 
 def _sha256(buf: memoryview) -> tuple[str, float]:
@@ -203,32 +236,80 @@ def _factors(
     return factors
 
 
-def _stack(factors: dict, shapes, num_layers: int, dtype: torch.dtype, pin: bool) -> AdapterWeights:
-    """Every module's stacked pair, carved out of one (page-locked when ``pin``) buffer."""
-    plan = []  # (module, r_m, fan_in, fan_out)
-    for module in TARGET_MODULES:
-        if module in factors:
-            r_m = max(a.shape[0] for a, _, _ in factors[module].values())
-            plan.append((module, r_m, *shapes[module]))
+def _new_buffer(pin: bool) -> Alloc:
+    return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+
+
+def _carve(
+    ranks: dict[str, int], shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc
+) -> AdapterWeights:
+    """Every module's stacked pair, uninitialised, carved out of one buffer from ``alloc``."""
+    plan = [(m, ranks[m], *shapes[m]) for m in TARGET_MODULES if m in ranks]  # (module, r_m, fan_in, fan_out)
     total = sum(num_layers * r_m * (fan_in + fan_out) for _, r_m, fan_in, fan_out in plan)
-    flat = torch.empty(total, dtype=dtype, pin_memory=pin)
+    elem = torch.empty((), dtype=dtype).element_size()
+    flat = alloc(total * elem).view(dtype)  # [total]
     out, at = AdapterWeights(a={}, b={}), 0
     for module, r_m, fan_in, fan_out in plan:
         a_m = flat[at : (at := at + num_layers * r_m * fan_in)].view(num_layers, r_m, fan_in)  # [L, r_m, in]
         b_m = flat[at : (at := at + num_layers * fan_out * r_m)].view(
             num_layers, fan_out, r_m
         )  # [L, out, r_m]
-        layers = factors[module]
-        if len(layers) == num_layers and all(a.shape[0] == r_m for a, _, _ in layers.values()):
-            _stack_uniform(a_m, b_m, [layers[i] for i in range(num_layers)])
-        else:  # some layers absent or at a lower rank: zeros there add exactly nothing
-            a_m.zero_()
-            b_m.zero_()
-            for layer, (a, b, scale) in layers.items():
-                a_m[layer, : a.shape[0]] = a.float().to(dtype)
-                b_m[layer, :, : a.shape[0]] = (b.float() * scale).to(dtype)
         out.a[module], out.b[module], out.ranks[module] = a_m, b_m, r_m
     return out
+
+
+def _stack(
+    factors: dict, shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc
+) -> tuple[AdapterWeights, list]:
+    """Every module's stacked pair and the modules whose values are not all finite. The modules are filled
+    side by side on a small pool (each fill is a few large tensor ops that release the GIL), so one adapter
+    on an idle engine loads in about the time of its largest module rather than of all seven."""
+    ranks = {m: max(a.shape[0] for a, _, _ in layers.values()) for m, layers in factors.items()}
+    out = _carve(ranks, shapes, num_layers, dtype, alloc)
+    jobs = {
+        m: _STACKER.submit(_fill, out.a[m], out.b[m], factors[m], num_layers, r) for m, r in ranks.items()
+    }
+    return out, [m for m, job in jobs.items() if not job.result()]
+
+
+def _stack_known(
+    layout: Layout, data: torch.Tensor, shapes, num_layers: int, alloc: Alloc
+) -> tuple[AdapterWeights, list]:
+    """``_stack`` for a file whose layout is known: one gather per factor (layout.py)."""
+    ranks = {m.name: m.a.numel // shapes[m.name][0] for m in layout.modules}
+    out = _carve(ranks, shapes, num_layers, layout.dtype, alloc)
+
+    def one(module) -> bool:
+        fill(layout, data, out.a, out.b, module)
+        return _all_finite(out.a[module.name]) and _all_finite(out.b[module.name])
+
+    jobs = {m.name: _STACKER.submit(one, m) for m in layout.modules}
+    return out, [m for m, job in jobs.items() if not job.result()]
+
+
+def _fill(a_m: torch.Tensor, b_m: torch.Tensor, layers: dict, num_layers: int, r_m: int) -> bool:
+    """One module's stacked A [L, r_m, in] and scaled B [L, out, r_m]; whether every value is finite."""
+    if len(layers) == num_layers and all(a.shape[0] == r_m for a, _, _ in layers.values()):
+        _stack_uniform(a_m, b_m, [layers[i] for i in range(num_layers)])
+    else:  # some layers absent or at a lower rank: zeros there add exactly nothing
+        a_m.zero_()
+        b_m.zero_()
+        for layer, (a, b, scale) in layers.items():
+            a_m[layer, : a.shape[0]] = a.float().to(a_m.dtype)
+            b_m[layer, :, : a.shape[0]] = (b.float() * scale).to(b_m.dtype)
+    return _all_finite(a_m) and _all_finite(b_m)
+
+
+def _one_thread_on_gpu_hosts() -> None:
+    # Several fills at once must not each start a team of intra-op threads on a GPU host (the engine thread
+    # needs its core); a CPU-only engine keeps torch's default, which this call would change process-wide.
+    if torch.cuda.is_available():
+        torch.set_num_threads(1)
+
+
+_STACKER = ThreadPoolExecutor(
+    4, thread_name_prefix="loraplane-adapter-stack", initializer=_one_thread_on_gpu_hosts
+)
 
 
 def _stack_uniform(a_m: torch.Tensor, b_m: torch.Tensor, layers: list) -> None:
@@ -263,11 +344,10 @@ def _all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def _check_finite(out: AdapterWeights, factors: dict) -> None:
-    """One check per stacked tensor; only on a failure are the file's tensors searched for the name."""
-    for module in out.ranks:
-        if _all_finite(out.a[module]) and _all_finite(out.b[module]):
-            continue
+def _check_finite(bad: list[str], factors: dict) -> None:
+    """Name the first non-finite tensor of the modules ``_stack`` flagged (the file's tensors are searched
+    only on a failure)."""
+    for module in bad:
         for layer, (a, b, _) in sorted(factors[module].items()):
             prefix = f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{module}"
             for name, t in (("lora_A", a), ("lora_B", b)):

@@ -1,0 +1,201 @@
+"""The churn trace through the real server: ``loraplane serve`` in its own process with local adapters registered
+on the disk tier (``--adapter NAME=DIR``), the S-LoRA trace sent over the OpenAI API (streaming completions,
+async httpx, each request at its arrival time), against a base-only server on the same trace, while a probe
+reads ``/health/live`` every 20 ms (the worst answer time is what a kubelet would see under churn).
+
+    python bench/churn/server.py --out DIR --quick     # tiny random model on the CPU (checks the path)
+
+Only ``--quick`` exists: the server needs a model folder on disk, and the GPU image has no fastapi, uvicorn or
+httpx. Adapters come from local folders; the admin API takes only ``s3://`` artifacts (signed, pulled into
+the host cache), so loading them through it needs an S3 endpoint and signed versions of every adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(HERE), str(HERE.parent)]
+_spec = importlib.util.spec_from_file_location("lora_bench", HERE.parent / "lora" / "main.py")
+lora_bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(lora_bench)  # the S-LoRA trace generator of the multi-LoRA benchmark
+
+RANKS = (8, 16)  # the tiny model's pools take max rank 16
+PROBE_S = 0.02
+
+
+@contextlib.contextmanager
+def serve(model_dir: Path, adapters: dict[str, Path], pool_bytes: int, host_bytes: int):
+    """A ``loraplane serve`` process; yields its URL once /v1/models lists every adapter."""
+    from tests.s3_servers import free_port
+
+    port = free_port()
+    argv = [sys.executable, "-m", "loraplane.cli", "serve", "--model", str(model_dir), "--device", "cpu",
+            "--max-model-len", "128", "--num-kv-blocks", "1024", "--port", str(port), "--served-model-name",
+            "tiny", "--log-level", "warning", "--max-rank", "16", "--gpu-adapter-bytes", str(pool_bytes),
+            "--host-adapter-bytes", str(host_bytes)]  # fmt: skip
+    for name, folder in adapters.items():
+        argv += ["--adapter", f"{name}={folder}"]
+    process = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if len(httpx.get(f"{url}/v1/models").json()["data"]) == 1 + len(adapters):
+                    break
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            if process.poll() is not None:
+                raise RuntimeError(f"loraplane serve exited: {process.stderr.read().decode()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError("loraplane serve did not list its adapters within 180 s")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+async def one(client: httpx.AsyncClient, t0: float, at: float, model: str, prompt: list[int], n: int) -> dict:
+    await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    start, first, chunks = time.perf_counter(), None, 0
+    try:
+        async with client.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return {"failed": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    first = first or time.perf_counter()
+                    chunks += 1
+    except httpx.HTTPError as exc:
+        return {"failed": repr(exc)}
+    return {"ttft": (first or time.perf_counter()) - start, "end": time.perf_counter(), "tokens": n}
+
+
+async def run_trace(url: str, trace, models: list[str]) -> dict:
+    arrivals, prompts, lens_out = trace
+    live: list[float] = []
+    stop = asyncio.Event()
+
+    async def probe() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            while not stop.is_set():
+                start = time.perf_counter()
+                (await c.get("/health/live")).raise_for_status()
+                live.append(time.perf_counter() - start)
+                await asyncio.sleep(PROBE_S)
+
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        prober = asyncio.create_task(probe())
+        t0 = time.perf_counter()
+        done = await asyncio.gather(*(one(client, t0, float(arrivals[i]), models[i], prompts[i],
+                                          int(lens_out[i])) for i in range(len(prompts))))  # fmt: skip
+        stop.set()
+        await prober
+    ok = [d for d in done if "failed" not in d]
+    span = max(d["end"] for d in ok) - (t0 + float(arrivals[0])) if ok else float("nan")
+    ttft = np.array([d["ttft"] for d in ok] or [float("nan")]) * 1e3
+    return {"tok_s": sum(d["tokens"] for d in ok) / span, "seconds": span, "failed": len(done) - len(ok),
+            "ttft_p50_ms": float(np.percentile(ttft, 50)), "ttft_p99_ms": float(np.percentile(ttft, 99)),
+            "health_live_max_ms": max(live) * 1e3 if live else None, "health_live_probes": len(live),
+            "errors": sorted({d["failed"] for d in done if "failed" in d})[:3]}  # fmt: skip
+
+
+def build(work: Path, n_adapters: int, used: set[int]) -> tuple[Path, dict[str, Path], int]:
+    """A tiny random Llama with a chat tokenizer, and one PEFT folder per adapter the traces use (files shared
+    per rank); returns the model folder, the folders, and one rank-row's bytes over every module."""
+    import torch
+    from workload import write_adapter_files
+
+    from loraplane.engine.lora.weights import module_shapes
+    from loraplane.engine.model.model_config import ModelConfig
+    from tests.engine.conftest import build_tiny_hf_model
+    from tests.http.conftest import build_chat_tokenizer
+
+    tokenizer = build_chat_tokenizer()
+    build_tiny_hf_model(work, "llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<eos>"),
+                        bos_token_id=None, pad_token_id=None)  # fmt: skip
+    tokenizer.save_pretrained(work)
+    cfg = ModelConfig.from_pretrained(str(work))
+    b = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dtype=torch.float32, quick=True)
+    names = {f"s{i}": RANKS[i % len(RANKS)] for i in sorted(used)}
+    folders = write_adapter_files(b, work / "adapters", names, drop=False, link=True)
+    template = folders[f"s{min(used)}"]  # every adapter is registered; those no trace uses share a folder
+    folders = {f"s{i}": folders.get(f"s{i}", template) for i in range(n_adapters)}
+    row = sum(cfg.num_layers * (i + o) * 4 for i, o in module_shapes(cfg).values())
+    return work, folders, row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench churn server")
+    parser.add_argument(
+        "--quick", action="store_true", required=True, help="tiny model on the CPU (the only mode)"
+    )
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--rate", type=float, default=8.0)
+    parser.add_argument("--adapters", type=int, default=40)
+    parser.add_argument("--alphas", type=float, nargs="*", default=[1.0, 0.1])
+    args = parser.parse_args(argv)
+    trace = lora_bench.make_trace(args.requests, args.rate, max_len=40)
+    assign = {a: [min(int(i), args.adapters - 1) for i in
+                  np.floor(np.random.default_rng(1).power(a, args.requests) * args.adapters)] for a in args.alphas}  # fmt: skip
+    used = {i for idx in assign.values() for i in idx}
+    work, folders, row = build(Path(tempfile.mkdtemp(prefix="churn-server-")), args.adapters, used)
+    vocab = json.loads((work / "config.json").read_text())["vocab_size"]
+    trace = (trace[0], [[t % (vocab - 1) + 1 for t in p] for p in trace[1]], trace[2])
+    working = sum(row * RANKS[i % len(RANKS)] for i in used)
+    pool, host = max(16 * row, working // 3), max(16 * row, working // 2)  # both below the working set
+    rows = []
+    with serve(work, {}, pool, host) as url:
+        rows.append({"case": f"server base ({args.requests} req, {args.rate}/s)", "alpha": None,
+                     **asyncio.run(run_trace(url, trace, ["tiny"] * args.requests))})  # fmt: skip
+    with serve(work, folders, pool, host) as url:
+        for alpha in args.alphas:
+            models = [f"s{i}" for i in assign[alpha]]
+            rows.append({"case": f"server LoRA alpha={alpha} ({args.requests} req, {len(folders)} adapters on the disk tier)",
+                         "alpha": alpha, "distinct": len(set(models)), **asyncio.run(run_trace(url, trace, models))})  # fmt: skip
+    for r in rows:
+        print(json.dumps(r), flush=True)
+    base = rows[0]
+    summary = {f"alpha={r['alpha']}": {"throughput_vs_base": r["tok_s"] / base["tok_s"],
+                                       "ttft_p50_vs_base": r["ttft_p50_ms"] / base["ttft_p50_ms"],
+                                       "ttft_p99_vs_base": r["ttft_p99_ms"] / base["ttft_p99_ms"]}
+               for r in rows[1:]}  # fmt: skip
+    summary["health_live_max_ms"] = max(r["health_live_max_ms"] or 0.0 for r in rows)
+    result = {"title": "Adapter churn through loraplane serve (tiny random Llama, CPU, --quick)",
+              "columns": ["case", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "failed", "health_live_max_ms", "distinct"],
+              "rows": rows, "summary": summary,
+              "meta": {"working_set_mb": working / 1e6, "gpu_adapter_bytes (pool, CPU)": pool, "host_adapter_bytes": host}}  # fmt: skip
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "churn-server.json").write_text(json.dumps(result, indent=1, default=str))
+    from run import markdown
+
+    (out / "churn-server.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""The host tier's arena: a block returns only when no tensor on it is left (a copy in flight keeps it), free
+runs merge, a full arena evicts host entries until a load fits, and an engine whose every load goes through
+a full arena serves the same tokens as one without it."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+import torch
+
+from loraplane.engine.lora.pinned import ALIGN, PinnedArena, take_or_evict
+from loraplane.engine.lora.safetensors_io import read_file
+from tests.engine.test_adapter_churn import GREEDY, PROMPT, load_all, make_async, to_disk
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_a_block_comes_back_only_when_its_last_view_dies():
+    arena = PinnedArena(64 * ALIGN, pin=False)
+    block = arena.take(10 * ALIGN + 1)
+    assert block.numel() == 10 * ALIGN + 1 and block.dtype == torch.uint8
+    assert arena.used == 11 * ALIGN
+    view = block[: 10 * ALIGN].view(torch.bfloat16).view(10, -1)  # what a module's factor looks like
+    view.fill_(1.5)
+    del block
+    gc.collect()
+    assert arena.used == 11 * ALIGN, "a view still reads the block"
+    again = arena.take(53 * ALIGN)
+    assert again is not None and arena.take(ALIGN) is None
+    assert float(view.float().mean()) == 1.5, "the live view's bytes were handed out again"
+    del view, again
+    gc.collect()
+    assert arena.used == 0
+
+
+def test_free_runs_merge_so_a_large_block_fits_again():
+    arena = PinnedArena(12 * ALIGN, pin=False)
+    blocks = [arena.take(4 * ALIGN) for _ in range(3)]
+    assert arena.take(ALIGN) is None
+    del blocks[0], blocks[1]  # the first and the third third: two runs of 4 pages, not adjacent
+    gc.collect()
+    assert arena.largest_free == 4 * ALIGN and arena.take(8 * ALIGN) is None
+    blocks.clear()
+    gc.collect()
+    assert arena.largest_free == 12 * ALIGN and arena.take(12 * ALIGN) is not None
+
+
+def test_take_or_evict_evicts_until_it_fits_and_gives_up_when_nothing_can_go():
+    arena = PinnedArena(8 * ALIGN, pin=False)
+    held = {name: arena.take(4 * ALIGN) for name in ("a", "b")}
+    order = []
+
+    def evict_one() -> bool:
+        if not held:
+            return False
+        name = next(iter(held))
+        order.append(name)
+        del held[name]
+        return True
+
+    block = take_or_evict(arena, 6 * ALIGN, evict_one, wait_s=1.0)
+    assert block is not None and order == ["a", "b"]
+    assert take_or_evict(arena, 4 * ALIGN, lambda: False, wait_s=0.05) is None  # held by `block`
+    assert take_or_evict(arena, 9 * ALIGN, evict_one, wait_s=0.05) is None  # larger than the arena
+
+
+def test_arena_size_is_checked():
+    with pytest.raises(ValueError, match="nbytes"):
+        PinnedArena(100, pin=False)
+
+
+def test_loads_through_a_full_arena_evict_host_entries_and_tokens_are_unchanged(adapters):
+    base, folders = adapters
+    names = ("hot", "cold1", "cold2")
+
+    async def serve(arena: bool) -> tuple[list[list[int]], int, int]:
+        engine = make_async(
+            base, max_loras=1, max_lora_rank=8
+        )  # one adapter on the GPU: every switch loads from the host
+        lora = engine.engine.runner.lora
+        reads = []
+        try:
+            await load_all(engine, folders, names)
+            lora.read = lambda path: reads.append(path) or read_file(path)
+            one = lora.host.entries["hot@v1"].nbytes
+            if arena:  # room for two adapters: the third load must evict a host entry
+                lora.arena = PinnedArena(2 * one + 2 * ALIGN, pin=False)
+            to_disk(engine, *names)
+            out = []
+            for name in (*names, *names):
+                tokens = []
+                async for o in engine.add_request(PROMPT, GREEDY, adapter=f"{name}@v1"):
+                    tokens += o.new_token_ids
+                out.append(tokens)
+            if arena:
+                assert len(lora.host.entries) == 2 and all(
+                    _inside(lora.arena, w) for w in lora.host.entries.values()
+                )
+            return out, lora.arena_misses, len(reads)
+        finally:
+            await engine.aclose()
+
+    plain, _, plain_reads = asyncio.run(serve(False))
+    through, misses, reads = asyncio.run(serve(True))
+    assert through == plain and misses == 0
+    assert plain_reads == 3 and reads == 6, "with room for two, each round reads every file again"
+
+
+def _inside(arena: PinnedArena, weights) -> bool:
+    start = arena._mem.ctypes.data
+    return all(
+        start <= t.data_ptr() < start + arena.capacity for t in (*weights.a.values(), *weights.b.values())
+    )
+
+
+@pytest.fixture(scope="module")
+def adapters(make_hf_model, tmp_path_factory):
+    from tests.engine.test_adapter_churn import adapters as churn_adapters
+
+    return churn_adapters.__wrapped__(make_hf_model, tmp_path_factory)
