@@ -19,7 +19,7 @@ from loraplane.operator.adapter_verdict import Verdict, summarize
 from loraplane.operator.admin_client import AdminError, LoadRequest
 from loraplane.operator.context import Context
 from loraplane.operator.crd_models import AdapterSpec
-from loraplane.operator.pod_ops import act, each, load, observe, touched
+from loraplane.operator.pod_ops import act, each, load_in_batches, observe, touched
 from loraplane.operator.publish import post_event
 
 
@@ -88,7 +88,7 @@ async def _step(p: Pass, views, request: LoadRequest, record: dict, verdict: Ver
     if empty:  # a restarted pod: the serving version first, or it would serve the canary to everyone
         await _restore(p, empty)
         return _wait(p, verdict, C.CANARY_LOADING, f"restoring the serving version on {_names(empty)}", views)
-    errors, pending = await _load_beside(p, views, request)
+    errors, pending = await load_in_batches(p.ctx, views, p.target, p.spec.max_unavailable, p.token, request)
     if errors:
         first = next(iter(errors.values()))
         return await _roll_back(p, views, verdict, record, first.reason, f"{first.pod}: {first.message}")
@@ -200,20 +200,6 @@ async def _restore(p: Pass, empty) -> None:
         return
     request = LoadRequest(uri, version, digest, p.spec.pin, p.spec.warm)
     await act(p.ctx, empty, lambda v: p.ctx.admin.load(v.address, p.token, p.name, request))
-
-
-async def _load_beside(p: Pass, views, request: LoadRequest) -> tuple[dict[str, AdminError], bool]:
-    errors, pending = {}, False
-    for batch in R.load_batches(views, p.target, p.spec.max_unavailable):
-        results = await each(p.ctx, batch, lambda v: load(p.ctx, v.address, p.token, p.name, request))
-        for pod, result in zip(batch, results, strict=True):
-            if isinstance(result, AdminError):
-                errors[pod.name] = result
-            elif result != "warm":
-                pending = True
-        if errors or pending:
-            break
-    return errors, pending
 
 
 async def _window(p: Pass, view: R.PodView):

@@ -64,3 +64,22 @@ async def load(ctx, pod, token, name, request):
         return (await ctx.admin.load(pod, token, name, request)).state
     except AdminError as exc:
         return exc
+
+
+async def load_in_batches(
+    ctx: Context, views, target, max_unavailable, token, request
+) -> tuple[dict[str, AdminError], bool]:
+    """Load ``target`` beside what each pod serves, ``max_unavailable`` pods at a time (rollout.load_batches),
+    stopping at the first batch with an error or a load still warming. Returns (errors by pod, still pending)."""
+    errors: dict[str, AdminError] = {}
+    pending = False
+    for batch in R.load_batches(views, target, max_unavailable):
+        results = await each(ctx, batch, lambda v: load(ctx, v.address, token, target.name, request))
+        for pod, result in zip(batch, results, strict=True):
+            if isinstance(result, AdminError):
+                errors[pod.name] = result
+            elif result != "warm":
+                pending = True
+        if errors or pending:
+            break
+    return errors, pending

@@ -25,7 +25,7 @@ from loraplane.operator.context import Context
 from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec, SpecError
 from loraplane.operator.crd_objects import LoRAAdapter
 from loraplane.operator.kube import custom_ref
-from loraplane.operator.pod_ops import act, each, load, observe, touched
+from loraplane.operator.pod_ops import act, load_in_batches, observe, touched
 from loraplane.operator.publish import post_event, publish
 from loraplane.operator.validation import (
     ValidationFailed,
@@ -56,17 +56,7 @@ async def converge(
 ) -> tuple[dict[str, AdminError], bool, list]:
     """Load, switch, clean up (rollout.py). Returns (errors by pod, still pending, pods rolled back)."""
     name = target.name
-    errors: dict[str, AdminError] = {}
-    pending = False
-    for batch in R.load_batches(views, target, max_unavailable):
-        results = await each(ctx, batch, lambda v: load(ctx, v.address, token, name, request))
-        for pod, result in zip(batch, results, strict=True):
-            if isinstance(result, AdminError):
-                errors[pod.name] = result
-            elif result != "warm":
-                pending = True
-        if errors or pending:
-            break
+    errors, pending = await load_in_batches(ctx, views, target, max_unavailable, token, request)
     if not errors and not pending and all(v.reachable for v in views):
         switch = [v for v in views if R.needs_switch(v, target)]
         errors = await act(ctx, switch, lambda v: ctx.admin.switch(v.address, token, name, target.version))
