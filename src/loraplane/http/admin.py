@@ -191,11 +191,7 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
 
     @app.post("/admin/adapters/{name}/alias")
     async def alias(name: AdapterName, body: AliasBody) -> dict:
-        info = next((a for a in engine.adapters() if (a.name, a.version) == (name, body.version)), None)
-        if info is None:
-            raise AdminError(404, "NotFound", f"{name}@{body.version} is not loaded here", NOT_FOUND)
-        if info.state != WARM:
-            raise AdminError(409, "NotWarm", f"{name}@{body.version} is {info.state}, not warm")
+        _require_warm(engine, name, body.version)
         await engine.set_alias(name, body.version)
         return _view_of(name, body.version)
 
@@ -226,6 +222,16 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
         return {"unloaded": gone}
 
 
+def _require_warm(engine, name: str, version: str) -> None:
+    """404 unless ``name@version`` is loaded here, 409 unless it is warm: an alias or a split must never point
+    at a version that cannot answer at once."""
+    info = next((a for a in engine.adapters() if (a.name, a.version) == (name, version)), None)
+    if info is None:
+        raise AdminError(404, "NotFound", f"{name}@{version} is not loaded here", NOT_FOUND)
+    if info.state != WARM:
+        raise AdminError(409, "NotWarm", f"{name}@{version} is {info.state}, not warm")
+
+
 def _add_split_routes(app: FastAPI, state: ServerState) -> None:
     """Canary traffic splits (http/canary.py): set, read (with each version's window of counts), remove."""
     engine, splits = state.engine, state.splits
@@ -239,11 +245,7 @@ def _add_split_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.put("/admin/adapters/{name}/split")
     async def set_split(name: AdapterName, body: SplitBody) -> dict:
-        info = next((a for a in engine.adapters() if (a.name, a.version) == (name, body.version)), None)
-        if info is None:
-            raise AdminError(404, "NotFound", f"{name}@{body.version} is not loaded here", NOT_FOUND)
-        if info.state != WARM:
-            raise AdminError(409, "NotWarm", f"{name}@{body.version} is {info.state}, not warm")
+        _require_warm(engine, name, body.version)
         if engine.resolve(name) is None:
             raise AdminError(409, "NotServing", f"no version of {name} serves here: nothing to split with")
         splits.set(name, body.version, body.weight)
