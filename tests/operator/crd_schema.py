@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 ALLOWED = {  # the keywords of a structural schema this project uses; anything else is a finding
     "type", "description", "format", "enum", "pattern", "minLength", "maxLength", "minimum", "maximum",
-    "default", "items", "properties", "additionalProperties", "required", "x-kubernetes-preserve-unknown-fields",
+    "maxItems", "default", "items", "properties", "additionalProperties", "required", "x-kubernetes-preserve-unknown-fields",
     "x-kubernetes-list-type", "x-kubernetes-list-map-keys", "x-kubernetes-validations",
 }  # fmt: skip
 FORMATS = {"date-time"}

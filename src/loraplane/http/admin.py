@@ -70,6 +70,12 @@ class AliasBody(BaseModel):
     version: Version
 
 
+class SplitBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    version: Version  # the canary: a warm version beside the serving one
+    weight: int = Field(ge=0, le=100, strict=True)  # percent of the name's requests sent to it
+
+
 class PinBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     version: Version
@@ -185,11 +191,7 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
 
     @app.post("/admin/adapters/{name}/alias")
     async def alias(name: AdapterName, body: AliasBody) -> dict:
-        info = next((a for a in engine.adapters() if (a.name, a.version) == (name, body.version)), None)
-        if info is None:
-            raise AdminError(404, "NotFound", f"{name}@{body.version} is not loaded here", NOT_FOUND)
-        if info.state != WARM:
-            raise AdminError(409, "NotWarm", f"{name}@{body.version} is {info.state}, not warm")
+        _require_warm(engine, name, body.version)
         await engine.set_alias(name, body.version)
         return _view_of(name, body.version)
 
@@ -204,8 +206,11 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
             raise AdminError(404, "NotFound", exc.message, NOT_FOUND) from None
         return _view_of(name, body.version)
 
+    _add_split_routes(app, state)
+
     @app.delete("/admin/adapters/{name}")
     async def unload(name: AdapterName, version: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None):
+        state.splits.drop(name, version)  # never route to a version that is going away
         if registry is not None:
             gone = await registry.unload(name, version)
         else:
@@ -215,6 +220,50 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
             what = f"{name}@{version}" if version else name
             raise AdminError(404, "NotFound", f"{what} is not loaded here", NOT_FOUND)
         return {"unloaded": gone}
+
+
+def _require_warm(engine, name: str, version: str) -> None:
+    """404 unless ``name@version`` is loaded here, 409 unless it is warm: an alias or a split must never point
+    at a version that cannot answer at once."""
+    info = next((a for a in engine.adapters() if (a.name, a.version) == (name, version)), None)
+    if info is None:
+        raise AdminError(404, "NotFound", f"{name}@{version} is not loaded here", NOT_FOUND)
+    if info.state != WARM:
+        raise AdminError(409, "NotWarm", f"{name}@{version} is {info.state}, not warm")
+
+
+def _add_split_routes(app: FastAPI, state: ServerState) -> None:
+    """Canary traffic splits (http/canary.py): set, read (with each version's window of counts), remove."""
+    engine, splits = state.engine, state.splits
+
+    def view(name: str) -> dict:
+        split = splits.get(name)
+        if split is None:
+            raise AdminError(404, "NotFound", f"{name} has no traffic split here", NOT_FOUND)
+        serving = engine.resolve(name)
+        return split.view(serving.partition("@")[2] if serving else None)
+
+    @app.put("/admin/adapters/{name}/split")
+    async def set_split(name: AdapterName, body: SplitBody) -> dict:
+        _require_warm(engine, name, body.version)
+        if engine.resolve(name) is None:
+            raise AdminError(409, "NotServing", f"no version of {name} serves here: nothing to split with")
+        splits.set(name, body.version, body.weight)
+        return view(name)
+
+    @app.get("/admin/adapters/{name}/split")
+    async def get_split(name: AdapterName) -> dict:
+        return view(name)
+
+    @app.get("/admin/splits")
+    async def list_splits() -> dict:
+        return {"splits": [view(split.name) for split in splits.all()]}
+
+    @app.delete("/admin/adapters/{name}/split")
+    async def drop_split(name: AdapterName) -> dict:
+        if not splits.drop(name):
+            raise AdminError(404, "NotFound", f"{name} has no traffic split here", NOT_FOUND)
+        return {"removed": name}
 
 
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$"  # a key's name in the keys file

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from loraplane.engine.api import AdapterError, OverloadedError
 from loraplane.http import structured, tools
 from loraplane.http.auth import Principal
+from loraplane.http.canary import ROUTE_KEY_HEADER, route_key
 from loraplane.http.checks import (
     chat_prompt,
     completion_prompt,
@@ -91,8 +92,14 @@ def _served_by(target: Target, extra: dict[str, str] | None = None) -> dict[str,
     return headers
 
 
-def _target(request: Request, state: ServerState, model: str, principal: Principal) -> Target:
+def _target(
+    request: Request, state: ServerState, model: str, principal: Principal, user: str | None
+) -> Target:
     target = state.models.resolve(state.engine, model, principal)
+    if "@" not in model:  # the alias: a canary split may send this request's route key to the canary
+        key_name = principal.name if principal.key_index >= 0 else None
+        target = state.splits.route(state.engine, target, route_key(request.headers.get(ROUTE_KEY_HEADER), user,
+                                                                    key_name))  # fmt: skip
     request.state.model = model
     request.state.adapter_label = state.metrics.adapter_label(target.adapter)
     return target
@@ -124,7 +131,7 @@ def _choices(request: Request, state: ServerState, principal: Principal, target:
         run = Run(child_id, target, tier, held, state.metrics, meter, index)
         stream = state.engine.add_request(prompt, child_sampling(sampling, index), request_id=child_id,
                                           adapter=target.key)  # fmt: skip
-        return run.outputs(stream)
+        return state.splits.watch(target, run.outputs(stream))
 
     try:
         choices = Choices(request_id, n, start, ticket if n > 1 else None, meter)
@@ -186,7 +193,7 @@ async def chat_completions(
     body: ChatCompletionRequest, request: Request, principal: Principal = Depends(require_api_key)
 ):
     state = server_state(request)
-    target = _target(request, state, body.model, principal)
+    target = _target(request, state, body.model, principal, body.user)
     refuse_unsupported(body, state.vocab_size)
     tool_plan = tools.plan(body)
     spec = _chat_spec(body, tool_plan)
@@ -225,7 +232,7 @@ async def completions(
     body: CompletionRequest, request: Request, principal: Principal = Depends(require_api_key)
 ):
     state = server_state(request)
-    target = _target(request, state, body.model, principal)
+    target = _target(request, state, body.model, principal, body.user)
     refuse_unsupported(body, state.vocab_size)
     add_special = body.add_special_tokens is not False
     prompt = completion_prompt(state.tokenizer, state.vocab_size, body.prompt, add_special)

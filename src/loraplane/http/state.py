@@ -16,6 +16,7 @@ from loraplane.engine.api import EngineInfo
 from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.http.adapters import AdapterRegistry
 from loraplane.http.auth import OPEN, ApiKeys, Principal
+from loraplane.http.canary import Splits
 from loraplane.http.errors import AUTHENTICATION, APIError
 from loraplane.http.limits import KeyLimits
 from loraplane.http.metrics import Metrics
@@ -35,6 +36,7 @@ class ServerState:
     usage: UsageMeter  # tokens per tenant and adapter version: counters, and the usage log if any
     limits: KeyLimits = field(default_factory=KeyLimits)
     adapters: AdapterRegistry | None = None  # the admin side's, once an admin app exists
+    splits: Splits = field(default_factory=Splits)  # canary traffic splits, set through the admin API
     grammars: Grammars = field(default_factory=Grammars)  # structured output's compiler, built on first use
 
     @property

@@ -92,7 +92,8 @@ def status_of(adapter: dict, verdict: Verdict, views: list, now: str) -> dict:
         if serving is not None and target.matches(serving):  # the source of what serves, for restore()
             status["servingSource"] = (spec.get("source") or {}).get("uri")
     conds = []
-    for type_ in C.ADAPTER_CONDITIONS:
+    types = C.ADAPTER_CONDITIONS + ((C.CANARY,) if C.CANARY in verdict.conditions else ())
+    for type_ in types:
         state, reason, message = verdict.conditions.get(type_, (C.UNKNOWN, C.RECONCILING, "not evaluated"))
         conds.append(C.condition(type_, state, reason, message, generation, now))
     status["conditions"] = conds

@@ -130,6 +130,24 @@ class AdminClient:
         params = {"version": version} if version else None
         await self._call(pod, token, "DELETE", f"/admin/adapters/{name}", params=params)
 
+    async def set_split(self, pod: PodAddress, token: str, name: str, version: str, weight: int) -> dict:
+        """PUT /admin/adapters/{name}/split: send ``weight`` percent of ``name``'s requests to ``version``."""
+        body = {"version": version, "weight": weight}
+        return (await self._call(pod, token, "PUT", f"/admin/adapters/{name}/split", json=body)).json()
+
+    async def split(self, pod: PodAddress, token: str, name: str) -> dict | None:
+        """GET /admin/adapters/{name}/split: the split and each version's window; None when there is none."""
+        try:
+            return (await self._call(pod, token, "GET", f"/admin/adapters/{name}/split")).json()
+        except AdminError as exc:
+            if exc.reason == "NotFound":
+                return None
+            raise
+
+    async def drop_split(self, pod: PodAddress, token: str, name: str) -> None:
+        """DELETE /admin/adapters/{name}/split: every request to the serving version; absent is success."""
+        await self._call(pod, token, "DELETE", f"/admin/adapters/{name}/split")
+
 
 def _error(pod: str, method: str, path: str, response: httpx.Response) -> AdminError:
     try:

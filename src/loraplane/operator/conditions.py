@@ -21,6 +21,9 @@ DEGRADED = "Degraded"
 VALIDATED = "Validated"  # LoRAAdapter: manifest fetched, signature, base hash, rank and targets checked
 CACHED = "Cached"  # LoRAAdapter: every desired pod holds the version in its host cache
 WARMED = "Warmed"  # LoRAAdapter: every desired pod has loaded and warmed the version
+CANARY = (
+    "Canary"  # LoRAAdapter, canary rollouts: Unknown while steps run, True once promoted, False rolled back
+)
 
 BASE_CONDITIONS = (READY, PROGRESSING, DEGRADED)
 ADAPTER_CONDITIONS = (VALIDATED, CACHED, WARMED, READY, DEGRADED)
@@ -54,6 +57,12 @@ WARM_FAILED = "WarmFailed"  # a pod could not load or warm the version
 POD_FAILED = "PodFailed"  # a pod refused for another reason (the message says which)
 UNLOAD_FAILED = "UnloadFailed"  # deletion: a pod could not unload; the finalizer holds
 ROLLED_BACK = "RolledBack"  # a new version failed somewhere; the old version serves everywhere
+
+# --- reasons: canary rollouts (the analysis' own reasons are operator/canary.py's) --------------------------
+CANARY_LOADING = "CanaryLoading"  # the new version is loading beside the serving one
+CANARY_PAUSED = "CanaryPaused"  # a step's pause is running
+CANARY_PROMOTED = "CanaryPromoted"  # every step passed; the new version serves every request
+CANARY_ROLLED_BACK = "CanaryRolledBack"  # a step failed; the canary was unloaded everywhere
 
 # --- reasons: progress and success ----------------------------------------------------------------------
 ALL_PODS_SERVING = "AllPodsServing"  # Ready=True: every desired pod serves the version

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from loraplane.operator.crd_base import ApiModel, Rule, SpecError, cel, spec_error  # noqa: F401  (re-exported)
+from loraplane.operator.crd_canary import CANARY_STEPS_RULE, CanaryAnalysis, StepList
 
 GROUP = "loraplane.dev"
 VERSION = "v1alpha1"
@@ -331,10 +332,17 @@ class Residency(ApiModel):
 
 
 class Rollout(ApiModel):
-    """How a new version rolls."""
+    """How a new version rolls: Switch (load beside, warm, switch every pod, unload the old) or Canary (load
+    beside, send a growing share of requests to it step by step while its numbers hold, then switch)."""
 
+    RULES = (CANARY_STEPS_RULE,)
+    strategy: Literal["Switch", "Canary"] = Field("Switch", description="Switch or Canary.")
     max_unavailable: int = Field(DEFAULT_MAX_UNAVAILABLE, ge=1, le=MAX_REPLICAS,
                                  description="Pods loading the new version at once.")  # fmt: skip
+    steps: StepList = Field(default_factory=list, description="Canary: the steps, in order (with growing "
+                            "weights, a conversation on the new version stays there). Once the last passes, the "
+                            "version serves every request.")  # fmt: skip
+    analysis: CanaryAnalysis = Field(default_factory=CanaryAnalysis)
 
 
 class Placement(ApiModel):
@@ -375,6 +383,7 @@ class LoRAAdapterSpec(ApiModel):
     pin = property(lambda self: self.residency.pin)
     warm = property(lambda self: self.residency.warm)
     max_unavailable = property(lambda self: self.rollout.max_unavailable)
+    canary = property(lambda self: self.rollout.strategy == "Canary")
 
 
 # The names the rest of the operator imports.

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
+from loraplane.operator.crd_canary import MAX_STEPS as MAX_CANARY_STEPS
 from loraplane.operator.crd_models import (
     MAX_RANK_LIMIT,
     NAME_MAX,
@@ -112,6 +113,43 @@ class PodStatus(StatusModel):
     since: str | None = Field(None, description="When state last changed.", json_schema_extra=DATE_TIME)
 
 
+# --- status.canary ------------------------------------------------------------------------------------------
+class CanaryNumbers(StatusModel):
+    """The numbers one analysis decided on: each version's requests, errors and p95 TTFT over the step."""
+
+    canary_requests: int = Field(0, ge=0, description="Requests the new version answered in the step.")
+    canary_errors: int = Field(0, ge=0, description="Of them, the ones the server failed.")
+    canary_ttft_p95: float | None = Field(
+        None, ge=0, alias="canaryTTFTP95", description="p95 time to first token, seconds."
+    )
+    stable_requests: int = Field(0, ge=0, description="Requests the serving version answered in the step.")
+    stable_errors: int = Field(0, ge=0, description="Of them, the ones the server failed.")
+    stable_ttft_p95: float | None = Field(
+        None, ge=0, alias="stableTTFTP95", description="p95 time to first token, seconds."
+    )
+    error_rate: float | None = Field(None, ge=0, description="canaryErrors / canaryRequests.")
+    ttft_ratio: float | None = Field(
+        None, ge=0, alias="ttftRatio", description="canaryTTFTP95 / stableTTFTP95."
+    )
+    verdict: str = Field(description="Promote (the step passed), Wait (too few samples) or RollBack.")
+    time: str = Field(description="When.", json_schema_extra=DATE_TIME)
+
+
+class CanaryStatus(StatusModel):
+    """The canary of spec.version: where it stands (kept after it ends; the Canary condition says how)."""
+
+    version: str = Field(description="The version under canary.")
+    digest: str = Field(description="Its manifest digest.")
+    step: int = Field(ge=0, le=MAX_CANARY_STEPS, description="The current step, from 1 (0: loading).")
+    steps: int = Field(ge=1, le=MAX_CANARY_STEPS, description="Steps in spec.rollout.steps.")
+    weight: int = Field(ge=0, le=100, description="Percent of requests it gets now (100 once promoted, 0 once "
+                        "rolled back).")  # fmt: skip
+    step_start_time: str | None = Field(None, description="When the current step began.",
+                                        json_schema_extra=DATE_TIME)  # fmt: skip
+    observed_generation: int | None = generation_field()
+    analysis: CanaryNumbers | None = Field(None, description="The last analysis.")
+
+
 class LoRAAdapterStatus(StatusModel):
     """Observed state, written by the operator only."""
 
@@ -132,6 +170,9 @@ class LoRAAdapterStatus(StatusModel):
         None,
         description="Per-pod state.",
         json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["name"]},
+    )
+    canary: CanaryStatus | None = Field(
+        None, description="The canary rollout of spec.version (spec.rollout.strategy Canary)."
     )
     conditions: list[Condition] | None = conditions_field()  # fmt: skip
 

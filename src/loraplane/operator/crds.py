@@ -93,8 +93,12 @@ def loraadapter_crd() -> dict:
         {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredPods"},
         {"name": "Base", "type": "string", "jsonPath": ".spec.baseRef.name", "priority": 1},
         {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
+        {"name": "Canary-Step", "type": "integer", "jsonPath": ".status.canary.step",
+         "description": "The canary's current step (spec.rollout.strategy Canary)."},
+        {"name": "Canary-Weight", "type": "integer", "jsonPath": ".status.canary.weight",
+         "description": "Percent of requests the canary gets (100: promoted, 0: rolled back)."},
         age_column(),
-    ]
+    ]  # fmt: skip
     return crd("LoRAAdapter", M.ADAPTER_PLURAL, ["la"], LoRAAdapter, columns, {"status": {}})
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 # The order of keys in every node (then anything else, sorted).
 ORDER = (
     "type", "description", "format", "enum", "pattern", "minLength", "maxLength", "minimum", "maximum",
-    "default", "nullable", "items", "properties", "additionalProperties", "required",
+    "maxItems", "default", "nullable", "items", "properties", "additionalProperties", "required",
     "x-kubernetes-preserve-unknown-fields", "x-kubernetes-list-type", "x-kubernetes-list-map-keys",
     "x-kubernetes-validations",
 )  # fmt: skip

@@ -8,10 +8,8 @@ how long to sleep before the next pass; pod and base events wake it earlier.
 
 from __future__ import annotations
 
-import asyncio
-
+from loraplane.operator import canary_run, metrics, placement, routing
 from loraplane.operator import conditions as C
-from loraplane.operator import metrics, placement, routing
 from loraplane.operator import rollout as R
 from loraplane.operator.adapter_verdict import (
     Verdict,
@@ -27,6 +25,7 @@ from loraplane.operator.context import Context
 from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec, SpecError
 from loraplane.operator.crd_objects import LoRAAdapter
 from loraplane.operator.kube import custom_ref
+from loraplane.operator.pod_ops import act, load_in_batches, observe, touched
 from loraplane.operator.publish import post_event, publish
 from loraplane.operator.validation import (
     ValidationFailed,
@@ -52,90 +51,24 @@ async def admin_token(ctx: Context, namespace: str, base: dict, spec: BaseSpec) 
     return token
 
 
-async def _each(ctx: Context, pods, fn) -> list:
-    async def one(pod):
-        async with ctx.limit:
-            return await fn(pod)
-
-    return await asyncio.gather(*(one(p) for p in pods))
-
-
-async def observe(
-    ctx: Context, pods: list[PodAddress], token: str, name: str, shared: bool = False
-) -> list[R.PodView]:
-    """Each pod's versions of ``name``. ``shared``: from a snapshot of the pod's whole list that every
-    adapter asking within ``poll_interval`` shares, so a drift check of N adapters costs one GET per
-    pod, not N (a pod event wakes every adapter of the base at once)."""
-
-    async def look(pod: PodAddress) -> R.PodView:
-        try:
-            if shared:
-                return R.PodView(pod, tuple(v for v in await _snapshot(ctx, pod, token) if v.name == name))
-            return R.PodView(pod, tuple(await ctx.admin.list(pod, token, name)))
-        except AdminError as exc:
-            return R.PodView(pod, None, exc)
-
-    return await _each(ctx, pods, look)
-
-
-async def _snapshot(ctx: Context, pod: PodAddress, token: str):
-    return await ctx.snapshots.get(pod, ctx.tunables.poll_interval, lambda: ctx.admin.list(pod, token))
-
-
-def _touched(ctx: Context, pods) -> None:
-    """After acting on pods, their snapshots are stale."""
-    for pod in pods:
-        ctx.snapshots.drop(getattr(pod, "address", pod))
-
-
-async def _act(ctx: Context, pods, call) -> dict[str, AdminError]:
-    """Run ``call(pod)`` on pods; the errors by pod name."""
-
-    async def attempt(pod):
-        try:
-            await call(pod)
-        except AdminError as exc:
-            return pod.name, exc
-        return None
-
-    return dict(r for r in await _each(ctx, pods, attempt) if r)
-
-
 async def converge(
     ctx, views, target, request, max_unavailable, token
 ) -> tuple[dict[str, AdminError], bool, list]:
     """Load, switch, clean up (rollout.py). Returns (errors by pod, still pending, pods rolled back)."""
     name = target.name
-    errors: dict[str, AdminError] = {}
-    pending = False
-    for batch in R.load_batches(views, target, max_unavailable):
-        results = await _each(ctx, batch, lambda v: _load(ctx, v.address, token, name, request))
-        for pod, result in zip(batch, results, strict=True):
-            if isinstance(result, AdminError):
-                errors[pod.name] = result
-            elif result != "warm":
-                pending = True
-        if errors or pending:
-            break
+    errors, pending = await load_in_batches(ctx, views, target, max_unavailable, token, request)
     if not errors and not pending and all(v.reachable for v in views):
         switch = [v for v in views if R.needs_switch(v, target)]
-        errors = await _act(ctx, switch, lambda v: ctx.admin.switch(v.address, token, name, target.version))
+        errors = await act(ctx, switch, lambda v: ctx.admin.switch(v.address, token, name, target.version))
         if not errors:
             cleanup = [(v, old) for v in views for old in R.needs_cleanup(v, target)]
-            await _act(ctx, cleanup, lambda vo: ctx.admin.unload(vo[0].address, token, name, vo[1].version))
+            await act(ctx, cleanup, lambda vo: ctx.admin.unload(vo[0].address, token, name, vo[1].version))
     if errors:
         fresh = await observe(ctx, [v.address for v in views], token, name)
         undo = R.rollback_plan(fresh, target)
-        await _act(ctx, undo, lambda u: _undo(ctx, u, token, target))
+        await act(ctx, undo, lambda u: _undo(ctx, u, token, target))
         return errors, pending, [u.pod.name for u in undo]
     return errors, pending, []
-
-
-async def _load(ctx, pod, token, name, request):
-    try:
-        return (await ctx.admin.load(pod, token, name, request)).state
-    except AdminError as exc:
-        return exc
 
 
 async def _undo(ctx: Context, undo: R.Undo, token: str, target: R.Target) -> None:
@@ -159,8 +92,8 @@ async def restore(ctx: Context, adapter: dict, spec: AdapterSpec, pods, token: s
     if not empty:
         return views
     request = LoadRequest(uri, version, digest, spec.pin, spec.warm)
-    await _act(ctx, empty, lambda v: ctx.admin.load(v.address, token, name, request))
-    _touched(ctx, empty)
+    await act(ctx, empty, lambda v: ctx.admin.load(v.address, token, name, request))
+    touched(ctx, empty)
     return await observe(ctx, pods, token, name)
 
 
@@ -214,6 +147,13 @@ async def run_pass(
     pods, elsewhere = place(meta["name"], spec, pods)
     await release(ctx, elsewhere, token, target.name)
     views = await observe(ctx, pods, token, target.name, shared=True)
+    if spec.canary:
+        handled = await canary_run.run(ctx, adapter, spec, views, target, request, token, verdict, desired)
+        if handled is not None:
+            return verdict, handled
+        views = await observe(ctx, pods, token, target.name)
+    elif (adapter.get("status") or {}).get("canary"):
+        verdict.fields["canary"] = None  # the strategy is Switch now: no canary to show
     if converged(views, target):  # the common case, a drift check that finds nothing to do
         errors, pending = {}, False
     else:
@@ -221,7 +161,7 @@ async def run_pass(
         errors, pending, verdict.rolled_back = await converge(
             ctx, views, target, request, spec.max_unavailable, token
         )
-        _touched(ctx, pods)
+        touched(ctx, pods)
         views = await observe(ctx, pods, token, target.name)
     views = [R.PodView(v.address, v.loaded, errors.get(v.name) or v.error) for v in views]
     summarize(verdict, views, target, desired, errors, pending)
@@ -238,8 +178,8 @@ async def release(ctx: Context, pods: list[PodAddress], token: str, name: str) -
     """Unload the adapter from pods it is not placed on (after its placement shrank, or pods came)."""
     holding = [v.address for v in await observe(ctx, pods, token, name, shared=True) if v.of(name)]
     if holding:
-        await _act(ctx, holding, lambda p: ctx.admin.unload(p, token, name))
-        _touched(ctx, holding)
+        await act(ctx, holding, lambda p: ctx.admin.unload(p, token, name))
+        touched(ctx, holding)
 
 
 async def name_in_pool(ctx: Context, adapter: dict, base_name: str) -> None:
@@ -280,8 +220,8 @@ async def finalize(
         token = await admin_token(ctx, meta["namespace"], base, BaseSpec.parse(base.get("spec") or {}))
     except (ValidationFailed, SpecError):
         return []  # the base is going away: its pods (and their adapters) with it
-    errors = await _act(ctx, pods, lambda p: ctx.admin.unload(p, token, meta["name"]))
-    _touched(ctx, pods)
+    errors = await act(ctx, pods, lambda p: ctx.admin.unload(p, token, meta["name"]))
+    touched(ctx, pods)
     failures = list(errors.values())
     ref = custom_ref(ADAPTER_PLURAL, meta["namespace"], meta["name"])
     rows = [

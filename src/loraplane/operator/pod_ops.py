@@ -1,0 +1,85 @@
+"""Acting on an adapter's pods through their admin API, many at once (bounded by ``ctx.limit``): observe what
+each pod holds, run a call on each and collect the failures by pod, load a version."""
+
+from __future__ import annotations
+
+import asyncio
+
+from loraplane.operator import rollout as R
+from loraplane.operator.admin_client import AdminError, PodAddress
+from loraplane.operator.context import Context
+
+
+async def each(ctx: Context, pods, fn) -> list:
+    async def one(pod):
+        async with ctx.limit:
+            return await fn(pod)
+
+    return await asyncio.gather(*(one(p) for p in pods))
+
+
+async def observe(
+    ctx: Context, pods: list[PodAddress], token: str, name: str, shared: bool = False
+) -> list[R.PodView]:
+    """Each pod's versions of ``name``. ``shared``: from a snapshot of the pod's whole list that every
+    adapter asking within ``poll_interval`` shares, so a drift check of N adapters costs one GET per
+    pod, not N (a pod event wakes every adapter of the base at once)."""
+
+    async def look(pod: PodAddress) -> R.PodView:
+        try:
+            if shared:
+                return R.PodView(pod, tuple(v for v in await _snapshot(ctx, pod, token) if v.name == name))
+            return R.PodView(pod, tuple(await ctx.admin.list(pod, token, name)))
+        except AdminError as exc:
+            return R.PodView(pod, None, exc)
+
+    return await each(ctx, pods, look)
+
+
+async def _snapshot(ctx: Context, pod: PodAddress, token: str):
+    return await ctx.snapshots.get(pod, ctx.tunables.poll_interval, lambda: ctx.admin.list(pod, token))
+
+
+def touched(ctx: Context, pods) -> None:
+    """After acting on pods, their snapshots are stale."""
+    for pod in pods:
+        ctx.snapshots.drop(getattr(pod, "address", pod))
+
+
+async def act(ctx: Context, pods, call) -> dict[str, AdminError]:
+    """Run ``call(pod)`` on pods; the errors by pod name."""
+
+    async def attempt(pod):
+        try:
+            await call(pod)
+        except AdminError as exc:
+            return pod.name, exc
+        return None
+
+    return dict(r for r in await each(ctx, pods, attempt) if r)
+
+
+async def load(ctx, pod, token, name, request):
+    try:
+        return (await ctx.admin.load(pod, token, name, request)).state
+    except AdminError as exc:
+        return exc
+
+
+async def load_in_batches(
+    ctx: Context, views, target, max_unavailable, token, request
+) -> tuple[dict[str, AdminError], bool]:
+    """Load ``target`` beside what each pod serves, ``max_unavailable`` pods at a time (rollout.load_batches),
+    stopping at the first batch with an error or a load still warming. Returns (errors by pod, still pending)."""
+    errors: dict[str, AdminError] = {}
+    pending = False
+    for batch in R.load_batches(views, target, max_unavailable):
+        results = await each(ctx, batch, lambda v: load(ctx, v.address, token, target.name, request))
+        for pod, result in zip(batch, results, strict=True):
+            if isinstance(result, AdminError):
+                errors[pod.name] = result
+            elif result != "warm":
+                pending = True
+        if errors or pending:
+            break
+    return errors, pending
