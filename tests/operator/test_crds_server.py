@@ -58,8 +58,8 @@ def test_kubectl_explain_reads_the_served_schema(control_plane):
 
 def test_printer_columns_through_kubectl_get(control_plane, namespace):
     control_plane.create(adapter(namespace))
-    status = {"status": {"servingVersion": "v1", "readyPods": 2, "desiredPods": 2,
-                         "canary": {"version": "v2", "digest": "sha256:" + "0" * 64, "step": 1, "steps": 2, "weight": 20}, "conditions": [
+    canary = {"version": "v2", "digest": "sha256:" + "0" * 64, "step": 1, "steps": 2, "weight": 20}
+    status = {"status": {"servingVersion": "v1", "readyPods": 2, "desiredPods": 2, "canary": canary, "conditions": [
         {"type": "Ready", "status": "True", "reason": "Serving", "message": "", "lastTransitionTime":
          "2026-01-01T00:00:00Z"}]}}  # fmt: skip
     path = control_plane.path(API, "LoRAAdapter", "chat", namespace) + "/status"
