@@ -58,14 +58,16 @@ def test_kubectl_explain_reads_the_served_schema(control_plane):
 
 def test_printer_columns_through_kubectl_get(control_plane, namespace):
     control_plane.create(adapter(namespace))
-    status = {"status": {"servingVersion": "v1", "readyPods": 2, "desiredPods": 2, "conditions": [
+    canary = {"version": "v2", "digest": "sha256:" + "0" * 64, "step": 1, "steps": 2, "weight": 20}
+    status = {"status": {"servingVersion": "v1", "readyPods": 2, "desiredPods": 2, "canary": canary, "conditions": [
         {"type": "Ready", "status": "True", "reason": "Serving", "message": "", "lastTransitionTime":
          "2026-01-01T00:00:00Z"}]}}  # fmt: skip
     path = control_plane.path(API, "LoRAAdapter", "chat", namespace) + "/status"
     code, body = control_plane.request("PATCH", path, status, content_type="application/merge-patch+json")
     assert code == 200, body
     lines = control_plane.kubectl("get", "loraadapters", "-n", namespace).stdout.splitlines()
-    assert lines[0].split() == ["NAME", "READY", "VERSION", "PODS-READY", "DESIRED", "REASON", "AGE"]
-    assert lines[1].split()[:6] == ["chat", "True", "v1", "2", "2", "Serving"]
+    assert lines[0].split() == ["NAME", "READY", "VERSION", "PODS-READY", "DESIRED", "REASON", "CANARY-STEP",
+                                "CANARY-WEIGHT", "AGE"]  # fmt: skip
+    assert lines[1].split()[:8] == ["chat", "True", "v1", "2", "2", "Serving", "1", "20"]
     wide = control_plane.kubectl("get", "loraadapters", "-n", namespace, "-o", "wide").stdout.splitlines()
     assert "DESIRED-VERSION" in wide[0] and "BASE" in wide[0] and "demo" in wide[1]
