@@ -75,6 +75,8 @@ def main(rank: int, size: int, init: str, shape: dict, device: str, out: str, wa
     if rank == 0:
         with open(out, "w") as f:
             json.dump(errors, f)
+    # Leave together: a rank that exits while its peer still computes tears the pair's sockets down under it.
+    torch.distributed.barrier()
     left = destroy_group(timeout_s=20)  # no graphs here: it leaves at once
     say(rank, start, f"left the group: {left}")
     faulthandler.cancel_dump_traceback_later()
