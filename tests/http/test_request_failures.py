@@ -24,7 +24,7 @@ class ScriptedEngine:
     def info(self) -> EngineInfo:
         return EngineInfo("0" * 64, 64, 100, 8, ("q_proj",), "cpu", "float32")
 
-    def adapters(self):
+    def adapters(self, name=None):
         return []
 
     def resolve(self, name):

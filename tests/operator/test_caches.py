@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import asyncio
 
-from loraplane.operator.caches import Backoff, Fingerprints, Memo, SharedResults, Snapshots, StatusEcho
+from loraplane.operator.caches import (
+    Backoff,
+    Expiring,
+    Fingerprints,
+    Memo,
+    SharedResults,
+    Snapshots,
+    StatusEcho,
+)
 
 
 async def test_concurrent_asks_share_one_fetch_and_results_stay_bounded():
@@ -88,3 +96,72 @@ def test_backoff_doubles_while_failing_and_resets_on_success():
     steady = b.delay("k", False, steady=30, first=5, longest=40)
     assert 27 <= steady <= 33
     assert b.delay("k", True, steady=30, first=5, longest=40) == 5
+
+
+async def test_expiring_values_share_one_fetch_per_miss_and_expire():
+    cache: Expiring[str, int] = Expiring()
+    reads: list[int] = []
+    release = asyncio.Event()
+
+    async def read() -> int:
+        reads.append(len(reads) + 1)
+        await release.wait()  # a GET queued behind a busy API server: every ask meanwhile misses
+        return reads[-1]
+
+    asks = [asyncio.ensure_future(cache.get("s", 60.0, read)) for _ in range(50)]
+    await asyncio.sleep(0.01)
+    release.set()
+    assert await asyncio.gather(*asks) == [1] * 50 and reads == [1]
+    assert await cache.get("s", 60.0, read) == 1 and reads == [1]  # kept
+    assert await cache.get("s", 0.0, read) == 2  # expired: read again
+
+
+async def test_expiring_forgets_and_keeps_no_absence():
+    cache: Expiring[str, int | None] = Expiring()
+    answers = iter([None, 1, 2, 3, 4])
+    gate = asyncio.Event()
+
+    async def read():
+        await gate.wait()
+        return next(answers)
+
+    gate.set()
+    assert await cache.get("s", 60.0, read) is None
+    assert await cache.get("s", 60.0, read) == 1, "an absent value is read again next time"
+    cache.forget("s")
+    assert await cache.get("s", 60.0, read) == 2
+    gate.clear()
+    running = asyncio.ensure_future(cache.get("s", 0.0, read))  # expired: a read starts and waits
+    await asyncio.sleep(0.01)
+    cache.forget("s")  # the value changed while that read ran: its answer may predate the change
+    gate.set()
+    assert await running == 3
+    assert await cache.get("s", 60.0, read) == 4, "the read that ran while forgotten is not kept"
+
+
+async def test_snapshots_amended_by_one_keep_their_age_and_the_rest():
+    snaps: Snapshots[str, list] = Snapshots()
+    taken = 0
+
+    async def take() -> list:
+        nonlocal taken
+        taken += 1
+        return [("a", taken), ("b", taken)]
+
+    assert await snaps.get("pod", 60.0, take) == [("a", 1), ("b", 1)]
+    snaps.amend("pod", lambda old: [x for x in old if x[0] != "a"] + [("a", "new")])
+    assert await snaps.get("pod", 60.0, take) == [("b", 1), ("a", "new")] and taken == 1
+    assert await snaps.get("pod", 0.0, take) == [("a", 2), ("b", 2)], "an amended listing ages as before"
+    snaps.amend("gone", lambda old: old)  # nothing taken: nothing to amend
+    slow = asyncio.Event()
+
+    async def slow_take() -> list:
+        await slow.wait()
+        return [("a", "old")]
+
+    running = asyncio.ensure_future(snaps.get("pod", 0.0, slow_take))  # in flight: may predate the act
+    await asyncio.sleep(0)
+    snaps.amend("pod", lambda old: [("a", "amended")])
+    slow.set()
+    await running
+    assert await snaps.get("pod", 60.0, take) == [("a", 3), ("b", 3)], "an in-flight listing is dropped"

@@ -50,6 +50,34 @@ def test_admin_token_is_created_once_and_read_by_name(control_plane, namespace):
         assert not [r for r in proxy.requests if r[0] == "GET" and r[1].endswith("/secrets")], "never listed"
 
 
+def test_concurrent_secret_reads_make_one_get_and_a_rotation_is_seen(control_plane, namespace):
+    """Hundreds of passes asking for one Secret while the API server is slow make one GET; a rotated Secret
+    is seen once its entry expires, or at once when a pod's refusal says it changed."""
+    control_plane.create({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3", "namespace": namespace},
+                          "stringData": {"key": "one"}})  # fmt: skip
+    path = rf"/api/v1/namespaces/{namespace}/secrets/s3"
+    with FaultProxy(control_plane) as proxy:
+        kube = Kube(proxy.api_client())
+
+        async def many(ttl: float) -> list:
+            return await asyncio.gather(*(kube.secret_data(namespace, "s3", ttl) for _ in range(300)))
+
+        proxy.delay("GET", path, 0.5)  # every ask arrives while the first GET is held
+        assert asyncio.run(many(30.0)) == [{"key": "one"}] * 300
+        assert proxy.count("GET", "/secrets/s3") == 1
+        assert asyncio.run(many(30.0)) == [{"key": "one"}] * 300 and proxy.count("GET", "/secrets/s3") == 1
+        control_plane.request("PATCH", path, {"stringData": {"key": "two"}},
+                              content_type="application/merge-patch+json")  # fmt: skip
+        assert asyncio.run(kube.secret_data(namespace, "s3")) == {"key": "one"}, "within its ttl"
+        proxy.delay("GET", path, 0.5)
+        assert asyncio.run(many(0.0)) == [{"key": "two"}] * 300, "expired: read again"
+        assert proxy.count("GET", "/secrets/s3") == 2
+        control_plane.request("PATCH", path, {"stringData": {"key": "three"}},
+                              content_type="application/merge-patch+json")  # fmt: skip
+        kube.forget_secret(namespace, "s3")
+        assert asyncio.run(kube.secret_data(namespace, "s3")) == {"key": "three"}, "forgotten: read again"
+
+
 def test_status_patch_of_a_missing_object_is_none(control_plane, namespace):
     kube = Kube(control_plane.api_client())
     assert asyncio.run(kube.patch_status(Ref("/api/v1", "pods", namespace, "nope"), {"phase": "x"})) is None

@@ -171,7 +171,7 @@ class AdapterRegistry:
     # --- alias, pin, DELETE -------------------------------------------------------------------------------
     def usable(self, name: str, version: str) -> AdapterInfo | None:
         key = adapter_key(name, version)
-        return next((a for a in self.engine.adapters() if a.key == key), None)
+        return next((a for a in self.engine.adapters(name) if a.key == key), None)
 
     async def set_pin(self, name: str, version: str, pinned: bool) -> AdapterInfo:
         info = await self.engine.pin_adapter(name, version, pinned)

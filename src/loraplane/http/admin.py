@@ -167,11 +167,15 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
 
     @app.get("/admin/adapters")
     async def list_adapters(name: Annotated[str | None, Query(pattern=NAME_PATTERN)] = None) -> dict:
-        views = adapter_views(engine.adapters(), registry.entries if registry else {})
-        return {
-            "base_hash": state.info.base_hash,
-            "adapters": [v for v in views if name in (None, v["name"])],
-        }
+        return {"base_hash": state.info.base_hash, "adapters": _views(name)}
+
+    def _views(name: str | None) -> list[dict]:
+        """The views of every adapter, or of ``name`` alone (built for that name only: a pod may hold
+        thousands, and the operator asks about one at a time)."""
+        entries = registry.entries if registry else {}
+        if name is not None:
+            entries = {k: e for k, e in entries.items() if e.spec.name == name}
+        return adapter_views(engine.adapters(name), entries)
 
     @app.put("/admin/adapters/{name}")
     async def load(name: AdapterName, body: LoadBody) -> JSONResponse:
@@ -186,8 +190,7 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
         return JSONResponse(view, status_code=200 if entry.state == WARM else 202)
 
     def _view_of(name: str, version: str) -> dict:
-        views = adapter_views(engine.adapters(), registry.entries if registry else {})
-        return next(v for v in views if (v["name"], v["version"]) == (name, version))
+        return next(v for v in _views(name) if v["version"] == version)
 
     @app.post("/admin/adapters/{name}/alias")
     async def alias(name: AdapterName, body: AliasBody) -> dict:
@@ -225,7 +228,7 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
 def _require_warm(engine, name: str, version: str) -> None:
     """404 unless ``name@version`` is loaded here, 409 unless it is warm: an alias or a split must never point
     at a version that cannot answer at once."""
-    info = next((a for a in engine.adapters() if (a.name, a.version) == (name, version)), None)
+    info = next((a for a in engine.adapters(name) if a.version == version), None)
     if info is None:
         raise AdminError(404, "NotFound", f"{name}@{version} is not loaded here", NOT_FOUND)
     if info.state != WARM:

@@ -115,7 +115,7 @@ class Splits:
             return target
         key = adapter_key(split.name, split.canary)
         # Only a usable canary: one being unloaded answers as the stable version, never as a 404.
-        if any(a.key == key and a.state in USABLE_STATES for a in engine.adapters()):
+        if any(a.key == key and a.state in USABLE_STATES for a in engine.adapters(split.name)):
             return Target(split.name, key)
         return target
 

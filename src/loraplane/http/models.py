@@ -52,7 +52,7 @@ class ServedModels:
             raise model_not_found(name)
         if at:
             key = adapter_key(adapter, version)
-            usable = any(a.key == key and a.state in USABLE_STATES for a in engine.adapters())
+            usable = any(a.key == key and a.state in USABLE_STATES for a in engine.adapters(adapter))
             key = key if usable else None
         else:
             key = engine.resolve(adapter)

@@ -5,16 +5,18 @@ rebuilt after a restart: state lives in the API (specs, status) and in the pods 
 |---|---|---|
 | ``SharedResults`` | validation.py | verified manifests by validation key; concurrent asks share one S3 read |
 | ``Memo`` | validation.py | boto3 clients by (endpoint, region, credentials hash) |
-| ``Snapshots`` | reconcile_adapter.py | each pod's adapter listing, shared for ``poll_interval`` seconds |
+| ``Snapshots`` | pod_ops.py | each pod's adapter listing, shared for ``poll_interval`` seconds |
 | ``Fingerprints`` | handlers.py | what a base's adapters care about (generation, ready pods, base hash) |
 | ``StatusEcho`` | publish.py | the object our last status patch returned, newer than the watch's copy |
 | ``Backoff`` | context.py | consecutive failures per key, for exponential retry delays |
+| ``Expiring`` | kube.py | Secrets read by name, for ``ttl`` seconds; concurrent misses share one GET |
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
@@ -54,6 +56,48 @@ class SharedResults(Generic[K, V]):
 
 
 @dataclass(slots=True)
+class Expiring(Generic[K, V]):
+    """Values kept ``ttl`` seconds from when their read began. Concurrent misses of one key share one fetch:
+    thousands of passes asking for the same Secret while its entry expires make one GET, not one each (a
+    read queued behind a busy API server takes seconds, and every pass in those seconds would miss). A
+    fetch answering None (absent) is shared but not kept: the next ask reads again."""
+
+    max_entries: int = MAX_ENTRIES
+    _values: dict[K, tuple[float, V]] = field(default_factory=dict)
+    _running: dict[K, asyncio.Future] = field(default_factory=dict)
+
+    async def get(self, key: K, ttl: float, fetch: Callable[[], Awaitable[V | None]]) -> V | None:
+        kept = self._values.get(key)
+        if kept is not None and time.monotonic() - kept[0] < ttl:
+            return kept[1]
+        running = self._running.get(key)
+        if running is None:
+            running = self._running[key] = asyncio.ensure_future(self._fetch(key, fetch))
+            running.add_done_callback(lambda done: self._settled(key, done))
+        return await asyncio.shield(running)  # one caller's cancellation must not cancel the others' read
+
+    async def _fetch(self, key: K, fetch: Callable[[], Awaitable[V | None]]) -> V | None:
+        began = time.monotonic()
+        value = await fetch()
+        if value is None:
+            self._values.pop(key, None)
+        elif self._running.get(key) is asyncio.current_task():  # not forgotten while it ran
+            if len(self._values) >= self.max_entries:
+                self._values.clear()
+            self._values[key] = (began, value)
+        return value
+
+    def _settled(self, key: K, done: asyncio.Future) -> None:
+        if self._running.get(key) is done:
+            del self._running[key]
+
+    def forget(self, key: K) -> None:
+        """The value changed (or may have): the next ask reads it again, even while a read is running."""
+        self._values.pop(key, None)
+        self._running.pop(key, None)
+
+
+@dataclass(slots=True)
 class Memo(Generic[K, V]):
     """Values that are costly to build and never go stale (clients)."""
 
@@ -83,6 +127,22 @@ class Snapshots(Generic[K, V]):
 
     def drop(self, key: K) -> None:
         self._taken.pop(key, None)
+
+    def amend(self, key: K, update: Callable[[V], V]) -> None:
+        """Replace a taken listing by ``update(listing)``, keeping its age: what one caller just observed of
+        its own part. Each of thousands of adapters that acts on a pod would otherwise drop the listing and
+        make the next one list the whole pod again (a listing per adapter, each as long as the pod's list).
+        A listing still in flight may predate the caller's act: it is dropped instead."""
+        taken = self._taken.get(key)
+        if taken is None:
+            return
+        when, listing = taken
+        if not listing.done() or listing.cancelled() or listing.exception() is not None:
+            self._taken.pop(key, None)
+            return
+        amended = asyncio.get_running_loop().create_future()
+        amended.set_result(update(listing.result()))
+        self._taken[key] = (when, amended)
 
 
 @dataclass(slots=True)

@@ -88,7 +88,9 @@ async def _step(p: Pass, views, request: LoadRequest, record: dict, verdict: Ver
     if empty:  # a restarted pod: the serving version first, or it would serve the canary to everyone
         await _restore(p, empty)
         return _wait(p, verdict, C.CANARY_LOADING, f"restoring the serving version on {_names(empty)}", views)
-    errors, pending = await load_in_batches(p.ctx, views, p.target, p.spec.max_unavailable, p.token, request)
+    errors, pending, _ = await load_in_batches(
+        p.ctx, views, p.target, p.spec.max_unavailable, p.token, request
+    )
     if errors:
         first = next(iter(errors.values()))
         return await _roll_back(p, views, verdict, record, first.reason, f"{first.pod}: {first.message}")

@@ -55,6 +55,7 @@ POD_UNREACHABLE = "PodUnreachable"  # a pod's admin API did not answer
 PULL_FAILED = "PullFailed"  # a pod could not pull or verify the artifact
 WARM_FAILED = "WarmFailed"  # a pod could not load or warm the version
 POD_FAILED = "PodFailed"  # a pod refused for another reason (the message says which)
+TOKEN_REFUSED = "Unauthorized"  # a pod refused the admin token (the Secret changed: read it again)
 UNLOAD_FAILED = "UnloadFailed"  # deletion: a pod could not unload; the finalizer holds
 ROLLED_BACK = "RolledBack"  # a new version failed somewhere; the old version serves everywhere
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import copy
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -19,12 +21,17 @@ from dataclasses import dataclass
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from loraplane.operator.caches import Expiring
 from loraplane.operator.crd_models import API_VERSION, BASE_PLURAL
 
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
 CONFLICT_RETRIES = 8
+# API calls in flight at once: the client blocks a thread per call. The threads are the Kube's own, so its
+# calls never queue behind slow work (S3 reads) in the event loop's default pool of cores + 4 threads.
+API_THREADS = 16
+SECRET_TTL = 30.0  # seconds a Secret read is reused: a rotated Secret is seen within this
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,9 +77,10 @@ class Kube:
 
     def __init__(self, api: kubernetes.client.ApiClient, discovery_ttl: float = 60.0):
         self.api = api
-        self._secret_cache: dict[tuple[str, str], tuple[float, tuple[dict, dict]]] = {}
+        self._secrets: Expiring[tuple[str, str], tuple[dict, dict]] = Expiring()
         self._discovery: dict[str, tuple[float, frozenset[str]]] = {}  # group/version -> (when, plurals)
         self.discovery_ttl = discovery_ttl
+        self._threads = concurrent.futures.ThreadPoolExecutor(API_THREADS, thread_name_prefix="kube")
 
     # --- raw calls ---------------------------------------------------------------------------------
     def _call(
@@ -94,7 +102,8 @@ class Kube:
         )
 
     async def call(self, method: str, path: str, body=None, query=None, content_type=None):
-        return await asyncio.to_thread(self._call, method, path, body, query, content_type)
+        call = functools.partial(self._call, method, path, body, query, content_type)
+        return await asyncio.get_running_loop().run_in_executor(self._threads, call)
 
     # --- reads -------------------------------------------------------------------------------------
     async def get(self, ref: Ref) -> dict | None:
@@ -124,27 +133,29 @@ class Kube:
             cached = self._discovery[api_version] = (time.monotonic(), plurals)
         return plural in cached[1]
 
-    async def secret_data(self, namespace: str, name: str, ttl: float = 30.0) -> dict[str, str] | None:
-        """A Secret's decoded data, read by name (never listed), cached briefly; None if absent."""
+    async def secret_data(self, namespace: str, name: str, ttl: float = SECRET_TTL) -> dict[str, str] | None:
+        """A Secret's decoded data, read by name (never listed), reused ``ttl`` s; None if absent."""
         secret = await self.secret(namespace, name, ttl)
         return None if secret is None else secret[1]
 
     async def secret(
-        self, namespace: str, name: str, ttl: float = 30.0
+        self, namespace: str, name: str, ttl: float = SECRET_TTL
     ) -> tuple[dict[str, str], dict[str, str]] | None:
-        """(labels, decoded data) of a Secret, read by name (never listed), cached briefly; None if absent."""
-        key = (namespace, name)
-        cached = self._secret_cache.get(key)
-        if cached and time.monotonic() - cached[0] < ttl:
-            return cached[1]
+        """(labels, decoded data) of a Secret, read by name (never listed: the operator may not list or watch
+        Secrets), reused ``ttl`` s, one GET however many ask at once; None if absent."""
+        return await self._secrets.get((namespace, name), ttl, lambda: self._read_secret(namespace, name))
+
+    def forget_secret(self, namespace: str, name: str) -> None:
+        """A sign that the Secret changed (a pod refused its token): the next ask reads it again."""
+        self._secrets.forget((namespace, name))
+
+    async def _read_secret(self, namespace: str, name: str) -> tuple[dict[str, str], dict[str, str]] | None:
         secret = await self.get(Ref("/api/v1", "secrets", namespace, name))
         if secret is None:
-            self._secret_cache.pop(key, None)
             return None
         data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
         data.update(secret.get("stringData") or {})
         labels = dict((secret.get("metadata") or {}).get("labels") or {})
-        self._secret_cache[key] = (time.monotonic(), (labels, data))
         return labels, data
 
     # --- writes ------------------------------------------------------------------------------------
@@ -232,4 +243,5 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None) -
         )
     else:
         kubernetes.config.load_incluster_config(client_configuration=configuration)
+    configuration.connection_pool_maxsize = API_THREADS  # a connection per thread, kept alive
     return kubernetes.client.ApiClient(configuration)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from loraplane.operator import rollout as R
-from loraplane.operator.admin_client import AdminError, PodAddress
+from loraplane.operator.admin_client import WARM, AdminError, LoadedVersion, PodAddress
 from loraplane.operator.context import Context
 
 
@@ -46,6 +46,21 @@ def touched(ctx: Context, pods) -> None:
         ctx.snapshots.drop(getattr(pod, "address", pod))
 
 
+def settled(ctx: Context, views: list[R.PodView], name: str) -> None:
+    """After acting on ``name`` and observing it again (``views``), each pod's snapshot holds what was just
+    observed of ``name`` and stays shared; the rest of the listing is as old as it was (at most
+    ``poll_interval``). A pod that did not answer loses its snapshot."""
+    for view in views:
+        if view.loaded is None:
+            ctx.snapshots.drop(view.address)
+        else:
+            ctx.snapshots.amend(view.address, lambda old, v=view: _with(old, name, v.loaded))
+
+
+def _with(listing, name: str, versions) -> list:
+    return [v for v in listing if v.name != name] + list(versions)
+
+
 async def act(ctx: Context, pods, call) -> dict[str, AdminError]:
     """Run ``call(pod)`` on pods; the errors by pod name."""
 
@@ -59,27 +74,33 @@ async def act(ctx: Context, pods, call) -> dict[str, AdminError]:
     return dict(r for r in await each(ctx, pods, attempt) if r)
 
 
-async def load(ctx, pod, token, name, request):
+async def load(ctx, pod, token, name, request) -> LoadedVersion | AdminError:
     try:
-        return (await ctx.admin.load(pod, token, name, request)).state
+        return await ctx.admin.load(pod, token, name, request)
     except AdminError as exc:
         return exc
 
 
 async def load_in_batches(
-    ctx: Context, views, target, max_unavailable, token, request
-) -> tuple[dict[str, AdminError], bool]:
+    ctx: Context, views: list[R.PodView], target, max_unavailable, token, request
+) -> tuple[dict[str, AdminError], bool, list[R.PodView]]:
     """Load ``target`` beside what each pod serves, ``max_unavailable`` pods at a time (rollout.load_batches),
-    stopping at the first batch with an error or a load still warming. Returns (errors by pod, still pending)."""
+    stopping at the first batch with an error or a load still warming. Returns (errors by pod, still pending,
+    ``views`` with each pod's answer to its load: a pod serves the first version of a name as soon as it is
+    warm, and the answer says so, so no switch is asked of it)."""
     errors: dict[str, AdminError] = {}
     pending = False
+    answers: dict[str, LoadedVersion] = {}
     for batch in R.load_batches(views, target, max_unavailable):
         results = await each(ctx, batch, lambda v: load(ctx, v.address, token, target.name, request))
         for pod, result in zip(batch, results, strict=True):
             if isinstance(result, AdminError):
                 errors[pod.name] = result
-            elif result != "warm":
+                continue
+            answers[pod.name] = result
+            if result.state != WARM:
                 pending = True
         if errors or pending:
             break
-    return errors, pending
+    views = [R.with_answer(v, answers[v.name], target) if v.name in answers else v for v in views]
+    return errors, pending, views

@@ -25,7 +25,7 @@ from loraplane.operator.context import Context
 from loraplane.operator.crd_models import ADAPTER_PLURAL, AdapterSpec, BaseSpec, SpecError
 from loraplane.operator.crd_objects import LoRAAdapter
 from loraplane.operator.kube import custom_ref
-from loraplane.operator.pod_ops import act, load_in_batches, observe, touched
+from loraplane.operator.pod_ops import act, load_in_batches, observe, settled, touched
 from loraplane.operator.publish import post_event, publish
 from loraplane.operator.validation import (
     ValidationFailed,
@@ -56,7 +56,7 @@ async def converge(
 ) -> tuple[dict[str, AdminError], bool, list]:
     """Load, switch, clean up (rollout.py). Returns (errors by pod, still pending, pods rolled back)."""
     name = target.name
-    errors, pending = await load_in_batches(ctx, views, target, max_unavailable, token, request)
+    errors, pending, views = await load_in_batches(ctx, views, target, max_unavailable, token, request)
     if not errors and not pending and all(v.reachable for v in views):
         switch = [v for v in views if R.needs_switch(v, target)]
         errors = await act(ctx, switch, lambda v: ctx.admin.switch(v.address, token, name, target.version))
@@ -93,8 +93,9 @@ async def restore(ctx: Context, adapter: dict, spec: AdapterSpec, pods, token: s
         return views
     request = LoadRequest(uri, version, digest, spec.pin, spec.warm)
     await act(ctx, empty, lambda v: ctx.admin.load(v.address, token, name, request))
-    touched(ctx, empty)
-    return await observe(ctx, pods, token, name)
+    views = await observe(ctx, pods, token, name)
+    settled(ctx, views, name)
+    return views
 
 
 async def run_pass(
@@ -147,6 +148,8 @@ async def run_pass(
     pods, elsewhere = place(meta["name"], spec, pods)
     await release(ctx, elsewhere, token, target.name)
     views = await observe(ctx, pods, token, target.name, shared=True)
+    if any(v.error is not None and v.error.reason == C.TOKEN_REFUSED for v in views):
+        ctx.kube.forget_secret(namespace, admin_token_secret_name(base, base_spec))  # rotated: read it again
     if spec.canary:
         handled = await canary_run.run(ctx, adapter, spec, views, target, request, token, verdict, desired)
         if handled is not None:
@@ -161,8 +164,8 @@ async def run_pass(
         errors, pending, verdict.rolled_back = await converge(
             ctx, views, target, request, spec.max_unavailable, token
         )
-        touched(ctx, pods)
         views = await observe(ctx, pods, token, target.name)
+        settled(ctx, views, target.name)
     views = [R.PodView(v.address, v.loaded, errors.get(v.name) or v.error) for v in views]
     summarize(verdict, views, target, desired, errors, pending)
     return verdict, views
@@ -221,7 +224,8 @@ async def finalize(
     except (ValidationFailed, SpecError):
         return []  # the base is going away: its pods (and their adapters) with it
     errors = await act(ctx, pods, lambda p: ctx.admin.unload(p, token, meta["name"]))
-    touched(ctx, pods)
+    touched(ctx, [p for p in pods if p.name in errors])
+    settled(ctx, [R.PodView(p, ()) for p in pods if p.name not in errors], meta["name"])  # unloaded
     failures = list(errors.values())
     ref = custom_ref(ADAPTER_PLURAL, meta["namespace"], meta["name"])
     rows = [

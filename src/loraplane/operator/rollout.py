@@ -12,7 +12,7 @@ serving everywhere, and a half switch never persists.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from loraplane.operator.admin_client import (
     CACHED,
@@ -90,6 +90,16 @@ def needs_cleanup(pod: PodView, target: Target) -> list[LoadedVersion]:
 def old_serving(pod: PodView, target: Target) -> bool:
     serving = pod.serving(target.name)
     return serving is not None and not target.matches(serving)
+
+
+def with_answer(pod: PodView, answer: LoadedVersion, target: Target) -> PodView:
+    """``pod`` as its answer to a load of ``target`` shows it (that version's state, and the alias if it
+    moved to it); an answer about anything else changes nothing."""
+    if not pod.reachable or not target.matches(answer):
+        return pod
+    others = tuple(replace(v, serving=False) if answer.serving else v for v in pod.others(target))
+    rest = tuple(v for v in pod.loaded or () if v.name != target.name)
+    return PodView(pod.address, rest + others + (answer,), pod.error)
 
 
 def load_batches(pods: list[PodView], target: Target, max_unavailable: int) -> list[list[PodView]]:

@@ -191,6 +191,8 @@ async def _fetch(
             retry=retry,
         )
     except E.ArtifactError as exc:
+        if exc.reason == E.ACCESS_DENIED and base.storage.credentials:  # rotated keys: read them again
+            ctx.kube.forget_secret(namespace, base.storage.credentials)
         raise ValidationFailed(exc.reason, f"{exc.field + ': ' if exc.field else ''}{exc.message}",
                                transient=exc.transient) from None  # fmt: skip
     except Exception as exc:  # botocore's endpoint errors and the like: the source, not the artifact

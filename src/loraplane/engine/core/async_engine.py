@@ -187,9 +187,10 @@ class AsyncEngine:
         """Running and waiting requests and their adapters (routers read them through the metrics)."""
         return self._queues
 
-    def adapters(self) -> list[AdapterInfo]:
+    def adapters(self, name: str | None = None) -> list[AdapterInfo]:
+        """Every adapter version held, or only ``name``'s."""
         lora = self._lora(None)
-        return [] if lora is None else lora.infos()
+        return [] if lora is None else lora.infos(name)
 
     def resolve(self, name: str) -> str | None:
         """Alias ``name`` -> the serving ``name@version``; None when no version serves it."""

@@ -250,9 +250,12 @@ class AdapterTiers:
                 rank=v.rank, in_flight=v.in_flight, timings=dict(v.timings), error=v.error,
             )  # fmt: skip
 
-    def infos(self) -> list[AdapterInfo]:
+    def infos(self, name: str | None = None) -> list[AdapterInfo]:
+        """Every version not being unloaded, or only ``name``'s (an admin call about one adapter on a pod
+        holding thousands must not describe them all)."""
         with self.lock:
-            return [self.info(k) for k, v in self.versions.items() if not v.unloading]
+            return [self.info(k) for k, v in self.versions.items()
+                    if not v.unloading and name in (None, v.name)]  # fmt: skip
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Bytes and entries per tier (disk: every registered version, whose folder stays the source)."""
