@@ -94,7 +94,9 @@ def ready_count(stack, wanted: dict[str, str]) -> tuple[int, list[str]]:
 
 
 class OperatorProbe:
-    """The operator's RSS and CPU, sampled every 2 s."""
+    """The operator's RSS and CPU, sampled every 2 s; and the CPU seconds of every process of the stack (the
+    operator, each server Pod, etcd, kube-apiserver, kube-controller-manager) at each phase's start and end,
+    so a phase says where the machine's time went."""
 
     def __init__(self, stack):
         self.stack, self.samples, self.stop = stack, [], threading.Event()
@@ -114,6 +116,17 @@ class OperatorProbe:
         return {"cpu_s": round(inside[-1]["cpu_s"] - inside[0]["cpu_s"], 1),
                 "rss_max_mb": round(max(s["rss"] for s in inside) / 2**20, 1),
                 "rss_end_mb": round(inside[-1]["rss"] / 2**20, 1)}  # fmt: skip
+
+    def cpu(self) -> dict[str, float]:
+        """CPU seconds so far by process: the control plane's by name, Pods by role ("operator", "server <pod>")."""
+        pids = {p.name: p.popen.pid for p in self.stack.plane.processes}
+        for pod, pid in running_processes(self.stack).items():
+            pids["operator" if pod.startswith(f"{RELEASE}-loraplane") else f"server {pod}"] = pid
+        return {name: s["cpu_s"] for name, pid in pids.items() if (s := proc_sample(pid))}
+
+
+def cpu_between(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {name: round(after[name] - before.get(name, 0.0), 1) for name in sorted(after)}
 
 
 def access_offsets(stack) -> dict[str, int]:
@@ -181,13 +194,15 @@ class Phase:
             stack.plane.audit_offset(),
             access_offsets(stack),
         )
+        self.cpu0 = probe.cpu()
 
     def done(self, **extra) -> dict:
         t1 = time.monotonic()
         api = api_requests_since(self.stack, self.audit0)
         return {"phase": self.name, "wall_s": round(t1 - self.t0, 1), "api_requests": api,
                 "api_total": sum(api.values()), "admin_calls": admin_calls_since(self.stack, self.access0),
-                "operator": self.probe.between(self.t0, t1), **extra}  # fmt: skip
+                "operator": self.probe.between(self.t0, t1),
+                "cpu_s": cpu_between(self.cpu0, self.probe.cpu()), **extra}  # fmt: skip
 
 
 def wait_ready(stack, wanted: dict[str, str], bound: float, curve: list) -> dict:
@@ -272,6 +287,13 @@ def markdown(result: dict) -> str:
         lines.append(f"| {p['phase']} | {p['wall_s']} | {state} | {p['api_total']}: "
                      f"{', '.join(f'{k} {v}' for k, v in p['api_requests'].items())} | {per:.2f} | {pods} | "
                      f"{p['operator'].get('cpu_s')} | {p['operator'].get('rss_max_mb')} |")  # fmt: skip
+    lines += ["", "CPU seconds by process in each phase (the machine's 2 cores give at most 2 per second of wall time):",
+              "", "| phase | " + " | ".join(names := sorted({n for p in result["phases"] for n in p.get("cpu_s", {})}))
+              + " |", "| --- |" + " --- |" * len(names)]  # fmt: skip
+    for p in result["phases"]:
+        lines.append(
+            f"| {p['phase']} | " + " | ".join(str(p.get("cpu_s", {}).get(n, "")) for n in names) + " |"
+        )
     return "\n".join(lines) + "\n"
 
 

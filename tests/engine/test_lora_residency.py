@@ -120,6 +120,10 @@ async def test_async_surface_load_warm_alias_pin_unload(tiny_llama_dir, folders)
         got_before, got_after = await asyncio.gather(collect(before), collect(after))
         assert got_before[:6] == v1_tokens and got_after == alone("a1@v1")
         assert {i.key: i.serving for i in engine.adapters()} == {"n@v1": False, "n@v2": True}
+        await engine.load_adapter("m", "v1", folders["a2"], "d2")  # one adapter's versions, not every one
+        assert [i.key for i in engine.adapters("n")] == ["n@v1", "n@v2"]
+        assert [i.key for i in engine.adapters("m")] == ["m@v1"] and engine.adapters("x") == []
+        assert await engine.unload_adapter("m") == ["m@v1"]
 
         assert (await engine.pin_adapter("n", "v1", True)).pinned
         # unloading a version with a request in flight: no new requests, the running one finishes on it

@@ -78,3 +78,17 @@ def test_serving_version_is_the_majority():
     ]
     assert R.serving_version(pods, "chat").version == "v1"
     assert R.serving_version([pod("x")], "chat") is None
+
+
+def test_a_load_answer_updates_the_view_so_a_served_first_version_needs_no_switch():
+    fresh = R.with_answer(pod("a"), version(V1, serving=True), V1)  # the pod aliases a first version itself
+    assert not R.needs_load(fresh, V1) and not R.needs_switch(fresh, V1)
+    beside = R.with_answer(pod("b", version(V1, serving=True)), version(V2), V2)  # loaded beside v1
+    assert R.needs_switch(beside, V2) and beside.serving("chat") == version(V1, serving=True)
+    moved = R.with_answer(pod("c", version(V1, serving=True)), version(V2, serving=True), V2)
+    assert moved.serving("chat") == version(V2, serving=True) and R.needs_cleanup(moved, V2) == [version(V1)]
+    warming = R.with_answer(pod("d"), version(V1, state="loaded"), V1)
+    assert R.needs_load(warming, V1) and R.needs_switch(warming, V1)
+    impostor = LoadedVersion("chat", "v1", "sha256:" + "9" * 64, "warm", True)
+    assert R.with_answer(pod("e"), impostor, V1) == pod("e"), "an answer about another digest changes nothing"
+    assert R.with_answer(unreachable("f"), version(V1), V1).loaded is None

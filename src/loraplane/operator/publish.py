@@ -1,4 +1,4 @@
-"""Write status only when it changed, and post one Kubernetes Event per condition transition."""
+"""Write status only when it changed, and post one Kubernetes Event per write that changes conditions."""
 
 from __future__ import annotations
 
@@ -32,13 +32,28 @@ async def publish(ctx: Context, body: dict, ref: Ref, status: dict) -> bool:
     written = await ctx.kube.patch_status(ref, status)
     if written is not None:
         ctx.echo.remember(ref.path(), written)
-    for cond in C.transitions(old.get("conditions"), status.get("conditions") or []):
-        if cond["status"] == C.UNKNOWN:
-            continue
-        bad = (cond["status"] == C.TRUE) == (cond["type"] in _NEGATIVE)
-        message = f"{cond['type']}={cond['status']}: {cond['message']}"
-        post_event(body, "Warning" if bad else "Normal", cond["reason"], message)
+    changed = [c for c in C.transitions(old.get("conditions"), status.get("conditions") or [])
+               if c["status"] != C.UNKNOWN]  # fmt: skip
+    if changed:
+        post_event(body, *_event_of(changed))
     return True
+
+
+def _bad(cond: dict) -> bool:
+    return (cond["status"] == C.TRUE) == (cond["type"] in _NEGATIVE)
+
+
+def _event_of(changed: list[dict]) -> tuple[str, str, str]:
+    """One Event for the transitions of one status write: (type, reason, message). A Warning with the first
+    bad transition's reason when one is bad, else Normal with Ready's (or the first one's); the message names
+    every transition. One per write, not one per condition: an adapter that settles at once writes its five
+    conditions together, and at thousands of adapters each Event is a write to the API server's store."""
+    bad = [c for c in changed if _bad(c)]
+    lead = bad[0] if bad else next((c for c in changed if c["type"] == C.READY), changed[0])
+    message = "; ".join(
+        f"{c['type']}={c['status']}: {c['message']}" for c in [lead, *(c for c in changed if c is not lead)]
+    )
+    return ("Warning" if bad else "Normal"), lead["reason"], message[:1024]
 
 
 def post_event(body: dict, type_: str, reason: str, message: str) -> None:
