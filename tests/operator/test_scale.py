@@ -17,6 +17,14 @@ N = int(__import__("os").environ.get("LORAPLANE_TEST_ADAPTERS", "200"))
 WRITES_PER_ADAPTER = 6  # kopf's finalizer, our Unknown-first status, the converged status, slack
 
 
+def operator_requests(world, verb: str, resource: str, code: int | None = None) -> int:
+    """The operator's API requests of ``verb`` on ``resource`` (answered with ``code``, if given)."""
+    return sum(1 for e in world.plane.audit(world.operator_user)
+               if e["verb"] == verb and (e.get("objectRef") or {}).get("resource") == resource
+               and (e.get("objectRef") or {}).get("subresource") is None
+               and code in (None, (e.get("responseStatus") or {}).get("code")))  # fmt: skip
+
+
 def adapter_calls(world) -> collections.Counter:
     """(adapter name, verb and subresource) -> the operator's API requests on that adapter (the audit log)."""
     counts = collections.Counter()
@@ -90,6 +98,11 @@ def test_200_adapters_converge_without_a_hot_loop(world, uris):
         worst = max(writes, key=writes.get)
         assert writes[worst] <= WRITES_PER_ADAPTER, {k: v for k, v in settled.items() if k[0] == worst}
         assert reads == 0, "the operator reads adapters from its watch, not per pass"
+        # kopf's finalizer patch tests the resourceVersion: no status write of ours races it (422, retried)
+        assert operator_requests(world, "patch", "loraadapters", 422) == 0
+        # Three Secrets (admin token, trusted keys, S3 credentials), each read once per expiry however many
+        # passes ask at once: not a GET per pass that misses while another GET is in flight.
+        assert operator_requests(world, "get", "secrets") <= 3 * (2 + converged // 30), "Secret reads"
         idle = collections.Counter({k[1:]: 0 for k in later})
         for key in later:
             idle[key[1:]] += later[key] - settled.get(key, 0)

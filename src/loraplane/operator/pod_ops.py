@@ -28,7 +28,7 @@ async def observe(
     async def look(pod: PodAddress) -> R.PodView:
         try:
             if shared:
-                return R.PodView(pod, tuple(v for v in await _snapshot(ctx, pod, token) if v.name == name))
+                return R.PodView(pod, (await snapshot(ctx, pod, token)).get(name, ()))
             return R.PodView(pod, tuple(await ctx.admin.list(pod, token, name)))
         except AdminError as exc:
             return R.PodView(pod, None, exc)
@@ -36,8 +36,17 @@ async def observe(
     return await each(ctx, pods, look)
 
 
-async def _snapshot(ctx: Context, pod: PodAddress, token: str):
-    return await ctx.snapshots.get(pod, ctx.tunables.poll_interval, lambda: ctx.admin.list(pod, token))
+async def snapshot(ctx: Context, pod: PodAddress, token: str) -> dict[str, tuple[LoadedVersion, ...]]:
+    """The pod's whole listing by adapter name, shared for ``poll_interval`` seconds (AdminError if it does
+    not answer). By name, so each of thousands of adapters finds its versions without scanning the list."""
+
+    async def take() -> dict[str, tuple[LoadedVersion, ...]]:
+        by_name: dict[str, tuple[LoadedVersion, ...]] = {}
+        for version in await ctx.admin.list(pod, token):
+            by_name[version.name] = (*by_name.get(version.name, ()), version)
+        return by_name
+
+    return await ctx.snapshots.get(pod, ctx.tunables.poll_interval, take)
 
 
 def touched(ctx: Context, pods) -> None:
@@ -54,11 +63,7 @@ def settled(ctx: Context, views: list[R.PodView], name: str) -> None:
         if view.loaded is None:
             ctx.snapshots.drop(view.address)
         else:
-            ctx.snapshots.amend(view.address, lambda old, v=view: _with(old, name, v.loaded))
-
-
-def _with(listing, name: str, versions) -> list:
-    return [v for v in listing if v.name != name] + list(versions)
+            ctx.snapshots.amend(view.address, lambda old, v=view: {**old, name: v.loaded})
 
 
 async def act(ctx: Context, pods, call) -> dict[str, AdminError]:

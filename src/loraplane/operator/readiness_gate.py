@@ -30,6 +30,7 @@ from loraplane.operator import placement
 from loraplane.operator.admin_client import AdminError, PodAddress
 from loraplane.operator.crd_models import Placement
 from loraplane.operator.kube import Ref
+from loraplane.operator.pod_ops import snapshot
 from loraplane.operator.pods import ADAPTERS_GATE, PodInfo, serving_pods
 
 log = logging.getLogger(__name__)
@@ -100,9 +101,7 @@ async def sync(ctx, namespace: str, infos: list[PodInfo], adapters: list[Adapter
         names = placed_on(info.name, adapters, pods)
         address = info.address(ctx.tunables.admin_port)
         try:
-            loaded = await ctx.snapshots.get(
-                address, ctx.tunables.poll_interval, lambda: ctx.admin.list(address, token)
-            )
+            loaded = [v for versions in (await snapshot(ctx, address, token)).values() for v in versions]
         except AdminError as exc:  # a pod that does not answer waits too (up to the timeout)
             absent = [f"(its admin API: {exc.reason})"]
         else:
