@@ -79,9 +79,12 @@ class LoadRequest:
 class AdminClient:
     """One shared httpx client for every pod; a pod is addressed by its IP and its admin port."""
 
-    def __init__(self, *, connect_timeout: float = 2.0, read_timeout: float = 30.0):
+    def __init__(self, *, connect_timeout: float = 2.0, read_timeout: float = 30.0, connections: int = 72):
+        """``connections``: at most this many open at once. The calls in flight are bounded anyway (the
+        operator's ``pod_concurrency``), and the pool scans every connection it holds on each request and
+        response: hundreds of idle ones made that scan a large part of the operator's CPU."""
         timeout = httpx.Timeout(read_timeout, connect=connect_timeout)
-        limits = httpx.Limits(max_connections=256, max_keepalive_connections=64)
+        limits = httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
         self._http = httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
 
     async def aclose(self) -> None:

@@ -61,6 +61,7 @@ class Context:
         self.admin = AdminClient(
             connect_timeout=self.tunables.admin_connect_timeout,
             read_timeout=self.tunables.admin_read_timeout,
+            connections=self.tunables.pod_concurrency + 8,  # and the readiness gates' listings
         )
         self._limit = asyncio.Semaphore(self.tunables.pod_concurrency)
         self._events.clear()
