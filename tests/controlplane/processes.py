@@ -16,6 +16,7 @@ process is ``loraplane <container args>``. What a kubelet would provide is made 
 from __future__ import annotations
 
 import base64
+import os
 import re
 import subprocess
 import sys
@@ -112,7 +113,10 @@ class ProcessRuntime:
         env.update(self.extra_env)
         log = root / "container.log"
         with log.open("ab") as handle:
-            popen = subprocess.Popen([str(LOCAL / "loraplane"), *args], stdout=handle, stderr=subprocess.STDOUT,
+            argv = [str(LOCAL / "loraplane"), *args]
+            if meta["name"].startswith("lp-loraplane") and os.environ.get("SCALE_PROFILE"):
+                argv = [str(LOCAL / "python"), "-m", "cProfile", "-o", os.environ["SCALE_PROFILE"], *argv]
+            popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)  # fmt: skip
         started = ProcessContainer(popen, log, self._probe(container, ip))
         self.started.append(started)
