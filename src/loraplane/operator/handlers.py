@@ -115,9 +115,10 @@ def adapter_gate_entries(namespace, name, body, **_):
 
 # --- wake-ups ----------------------------------------------------------------------------------------
 def _spec_changed(body) -> bool:
-    return (body.get("metadata") or {}).get("generation") != (body.get("status") or {}).get(
-        "observedGeneration"
-    )
+    """A generation not yet observed (deleting an object bumps it too: that is the finalizer's business)."""
+    meta = body.get("metadata") or {}
+    observed = (body.get("status") or {}).get("observedGeneration")
+    return meta.get("generation") != observed and not meta.get("deletionTimestamp")
 
 
 @kopf.on.event(GROUP, VERSION, ADAPTER_PLURAL)
@@ -183,7 +184,7 @@ def _awaits_finalizer(adapter: dict, started: float) -> bool:
     between makes it fail and start over (at thousands of new adapters, hundreds of times). So a new adapter's
     first pass waits for the finalizer, up to FINALIZER_WAIT seconds (its watch event wakes the daemon)."""
     meta = adapter["metadata"]
-    if FINALIZER in (meta.get("finalizers") or ()) or meta.get("deletionTimestamp"):
+    if FINALIZER in (meta.get("finalizers") or ()):
         return False
     return time.monotonic() - started < FINALIZER_WAIT
 
@@ -195,6 +196,8 @@ async def adapter_daemon(stopped, body, namespace, name, memo, lorabases, server
     started = time.monotonic()
 
     async def one_pass(adapter: dict) -> float:
+        if adapter["metadata"].get("deletionTimestamp"):  # the finalizer unloads it: a pass now could load
+            return ctx.tunables.drift_interval  # it again, and its status write would race kopf's patch
         if _awaits_finalizer(adapter, started):
             return 1.0
         base_name = _base_of(adapter)
