@@ -43,13 +43,19 @@ def _bad(cond: dict) -> bool:
     return (cond["status"] == C.TRUE) == (cond["type"] in _NEGATIVE)
 
 
+# Whose reason an Event carries, first to last: a failure is named best by Degraded's; a success by Ready's.
+_LEAD_BAD, _LEAD_GOOD = (C.DEGRADED, C.READY), (C.READY,)
+
+
 def _event_of(changed: list[dict]) -> tuple[str, str, str]:
-    """One Event for the transitions of one status write: (type, reason, message). A Warning with the first
-    bad transition's reason when one is bad, else Normal with Ready's (or the first one's); the message names
-    every transition. One per write, not one per condition: an adapter that settles at once writes its five
-    conditions together, and at thousands of adapters each Event is a write to the API server's store."""
+    """One Event for the transitions of one status write: (type, reason, message). A Warning when a transition
+    is bad, with the reason of the bad one that matters most (Degraded, then Ready, then the first), else
+    Normal with Ready's reason (or the first one's); the message names every transition. One per write, not
+    one per condition: an adapter that settles at once writes its five conditions together, and at thousands
+    of adapters each Event is a write to the API server's store."""
     bad = [c for c in changed if _bad(c)]
-    lead = bad[0] if bad else next((c for c in changed if c["type"] == C.READY), changed[0])
+    among, order = (bad, _LEAD_BAD) if bad else (changed, _LEAD_GOOD)
+    lead = min(among, key=lambda c: order.index(c["type"]) if c["type"] in order else len(order))
     message = "; ".join(
         f"{c['type']}={c['status']}: {c['message']}" for c in [lead, *(c for c in changed if c is not lead)]
     )
