@@ -77,6 +77,35 @@ def test_write_places_rows_and_zeroes_unwritten_rank():
         pool.allocate(129, 1.0)
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["one-view", "apart"])
+def test_reused_rows_read_zero_in_every_layer_and_write_layers_places_all(apart):
+    """A pool's own buffers are one tensor per module (allocate zeroes a row in all layers in one kernel);
+    a caller's per-layer buffers in separate tensors take the per-layer path. Both must zero the previous
+    tenant's B rows in every layer, and ``write_layers`` must place every layer's rows."""
+    spec, L, dt = {"down": ModuleSpec(48, (32,))}, 3, torch.float16
+    bufs = None
+    if apart:
+        bufs = ({(i, "down"): torch.zeros(1, 16, 48, dtype=dt) for i in range(L)},
+                {(i, "down"): torch.zeros(16, 32, dtype=dt) for i in range(L)})  # fmt: skip
+    pool = LoRAPool(spec, L, 16 * LoRAPool.page_bytes_for(spec, L, 1, dt), page_rank=8, dtype=dt, buffers=bufs)
+    assert (pool._bt_all["down"] is None) == apart
+    old = pool.allocate(16, 1.0)
+    for i in range(L):
+        pool.write(old, i, "down", 0, torch.randn(16, 48), torch.randn(32, 16))
+    pool.free(old)
+    slot = pool.allocate(8, 1.0)
+    rows = pool.rows_of(slot)
+    for i in range(L):
+        assert (pool.bt[(i, "down")][rows] == 0).all(), f"layer {i}: stale B rows of a reused page leak"
+    a, b = torch.randn(L, 8, 48).to(dt), torch.randn(L, 32, 8).to(dt)
+    pool.write_layers(slot, "down", a, b.transpose(1, 2))  # B^T through a transposed view
+    for i in range(L):
+        assert torch.equal(pool.a[(i, "down")][0, rows], a[i])
+        assert torch.equal(pool.bt[(i, "down")][rows], b[i].T)
+    with pytest.raises(ValueError, match=r"write_layers: need a \[3, 8, 48\]"):
+        pool.write_layers(slot, "down", a[:, :4], b.transpose(1, 2))
+
+
 def test_module_spec_validates():
     with pytest.raises(ValueError, match="out_dims"):
         ModuleSpec(32, (24, 0))
