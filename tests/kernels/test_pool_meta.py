@@ -87,7 +87,9 @@ def test_reused_rows_read_zero_in_every_layer_and_write_layers_places_all(apart)
     if apart:
         bufs = ({(i, "down"): torch.zeros(1, 16, 48, dtype=dt) for i in range(L)},
                 {(i, "down"): torch.zeros(16, 32, dtype=dt) for i in range(L)})  # fmt: skip
-    pool = LoRAPool(spec, L, 16 * LoRAPool.page_bytes_for(spec, L, 1, dt), page_rank=8, dtype=dt, buffers=bufs)
+    pool = LoRAPool(
+        spec, L, 16 * LoRAPool.page_bytes_for(spec, L, 1, dt), page_rank=8, dtype=dt, buffers=bufs
+    )
     assert (pool._bt_all["down"] is None) == apart
     old = pool.allocate(16, 1.0)
     for i in range(L):

@@ -323,7 +323,9 @@ class LoRAPool:
     def rows_of(self, slot: int) -> torch.Tensor:
         """Physical row of each rank-row of ``slot``: int64 [rank] on the pool's device (queued, no sync)."""
         pages, pr = self.pages_of(slot), self.page_rank
-        return to_device([pages[j // pr] * pr + j % pr for j in range(self._rank[slot])], torch.int64, self.device)
+        return to_device(
+            [pages[j // pr] * pr + j % pr for j in range(self._rank[slot])], torch.int64, self.device
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------------
     zero_a = False  # whether ``allocate`` zeroes A rows too (a pool whose rows held other data than LoRA)
@@ -380,10 +382,11 @@ class LoRAPool:
         spec, rank = self.modules[module], self._rank[slot]
         if spec.num_slices != 1:
             raise ValueError(f"write_layers: module {module!r} has {spec.num_slices} slices; use write")
-        if a.shape != (self.num_layers, rank, spec.in_dim) or bt.shape != (self.num_layers, rank, spec.out_total):
+        want_a, want_bt = (self.num_layers, rank, spec.in_dim), (self.num_layers, rank, spec.out_total)
+        if a.shape != want_a or bt.shape != want_bt:
             raise ValueError(
-                f"write_layers: need a [{self.num_layers}, {rank}, {spec.in_dim}] and bt [{self.num_layers}, "
-                f"{rank}, {spec.out_total}], got {tuple(a.shape)} and {tuple(bt.shape)}"
+                f"write_layers: need a {list(want_a)} and bt {list(want_bt)}, got {list(a.shape)} and "
+                f"{list(bt.shape)}"
             )
         rows = self.rows_of(slot)  # int64 [rank]
         a_all, bt_all = self._a_all[module], self._bt_all[module]

@@ -182,4 +182,3 @@ class GpuTier:
         self._free_ids.append(gid)
         self.bytes_of.pop(key, None)
         self.copy_s.pop(key, None)
-
