@@ -58,8 +58,9 @@ def serve(model_dir: Path, mode: str, adapters: dict[str, Path], pool_bytes: int
             "--gpu-adapter-bytes", str(pool_bytes), "--host-adapter-bytes", str(host_bytes)]  # fmt: skip
     for name, folder in adapters.items():
         argv += ["--adapter", f"{name}={folder}"]
+    log = model_dir / f"server-{port}.log"  # its stderr (a pipe nobody reads would fill and block it)
     process = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)  # fmt: skip
+                               stderr=log.open("wb"))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     try:
@@ -71,7 +72,7 @@ def serve(model_dir: Path, mode: str, adapters: dict[str, Path], pool_bytes: int
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
             if process.poll() is not None:
-                raise RuntimeError(f"loraplane serve exited: {process.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"loraplane serve exited: {log.read_text()[-2000:]}")
             if time.monotonic() > deadline:
                 raise RuntimeError("loraplane serve did not list its adapters within 600 s")
             time.sleep(0.2)
@@ -94,6 +95,9 @@ async def one(client: httpx.AsyncClient, t0: float, at: float, model: str, promp
                 return {"failed": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if "error" in chunk:  # a failure after the 200 comes in band
+                        return {"failed": f"in-band error: {chunk['error'].get('message', chunk)!s:.200}"}
                     first = first or time.perf_counter()
                     chunks += 1
     except httpx.HTTPError as exc:

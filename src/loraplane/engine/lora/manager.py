@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
+from loraplane.engine.lora.load_queue import LoadQueue
 from loraplane.engine.lora.loader import AdapterLoader
 from loraplane.engine.lora.pinned import PinnedArena, take_or_evict
 from loraplane.engine.lora.safetensors_io import Reader, read_file
@@ -54,7 +55,7 @@ class AdapterTiers:
         )
         self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
         self.gpu.share_with_kv(self._gpu_evictable, self._reclaim_for_kv)  # unified memory: KV may evict
-        self.wanted: set[str] = set()  # requested toward the GPU and not there yet
+        self.wanted = LoadQueue()  # requested toward the GPU and not there yet, first requested first
         self.step_keys: frozenset[str] = frozenset()
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
         self.arena_misses = 0  # parses that found no room in the arena (benchmarks, tests)
@@ -308,7 +309,7 @@ class AdapterTiers:
 
     def _reclaim_for_kv(self, num_free_chunks: int, keep: frozenset) -> None:
         with self.lock:
-            self.gpu.reclaim(num_free_chunks, keep | self.wanted)
+            self.gpu.reclaim(num_free_chunks, keep | self.wanted.keys())
 
     # -- moving weights (engine thread) ------------------------------------------------------------------
     def _host_evictable(self, key: str) -> bool:
@@ -319,8 +320,17 @@ class AdapterTiers:
         v = self.versions.get(key)
         return v is None or not (v.pinned or v.refs or v.in_flight or key in self.step_keys)
 
-    def _advance(self, key: str) -> bool:
-        """One non-blocking move toward the GPU; True once it is usable there."""
+    def _requested(self, key: str) -> bool:
+        v = self.versions.get(key)
+        return v is not None and v.in_flight > 0
+
+    def _unpinned(self, key: str) -> bool:
+        v = self.versions.get(key)
+        return v is None or not v.pinned
+
+    def _advance(self, key: str, queued: bool = True) -> bool:
+        """One non-blocking move toward the GPU; True once it is usable there. ``queued``: it takes GPU room
+        in its turn (LoadQueue); warm-ups and the step's own adapters (``ensure_resident``) do not wait."""
         v = self.versions[key]
         if self.gpu.done(key):
             self.wanted.discard(key)
@@ -346,8 +356,13 @@ class AdapterTiers:
             if v.sha256 is None:  # registered on disk: its first read fixes the bytes (hashed off this path)
                 v.sha256, v.hashing = weights.sha256, weights.hashing
             self.host.put(key, weights, self._host_evictable)
-        if not self.gpu.make_room(weights, self._gpu_evictable):
+        if queued and not self.wanted.may_take_room(key, self._requested):
             return False
+        if not self.gpu.make_room(weights, self._gpu_evictable):
+            if queued:  # waits in line only for room that evicting unpinned versions could give
+                self.wanted.waits_for_room(key, self.gpu.make_room(weights, self._unpinned, dry_run=True))
+            return False
+        self.wanted.waits_for_room(key, False)
         start = time.perf_counter()
         self.gpu.start_copy(key, weights)
         v.timings["gpu_copy_issue"] = time.perf_counter() - start
@@ -376,7 +391,7 @@ class AdapterTiers:
                 v = self.versions.get(key)
                 if v is None:
                     raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
-                while not self._advance(key):
+                while not self._advance(key, queued=False):
                     if v.loading is not None:
                         v.loading.exception()  # wait for the parse
                     elif self.gpu.holds(key):

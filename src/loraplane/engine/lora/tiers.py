@@ -115,8 +115,11 @@ class GpuTier:
         self.slots.move_to_end(key)
 
     # -- moves --------------------------------------------------------------------------------------------
-    def make_room(self, weights: AdapterWeights, evictable: Callable[[str], bool]) -> bool:
-        """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot."""
+    def make_room(
+        self, weights: AdapterWeights, evictable: Callable[[str], bool], dry_run: bool = False
+    ) -> bool:
+        """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot.
+        ``dry_run``: only say whether it could, evicting nothing."""
         if self.fits(weights):
             return True
         victims, freed = [], {m: 0 for m in self.pools}
@@ -127,7 +130,7 @@ class GpuTier:
             for m, slot in self.slots[key].items():
                 freed[m] += self.pools[m].rank_of(slot)
             if all(self._fits_after(m, r, freed[m]) for m, r in weights.ranks.items()):
-                for victim in victims:
+                for victim in victims if not dry_run else ():
                     self.evict(victim)
                 return True
         return False

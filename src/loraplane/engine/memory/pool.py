@@ -125,8 +125,9 @@ class UnifiedGpuTier(GpuTier):
         self._held.pop(key, None)
         super().evict(key)
 
-    def make_room(self, weights: AdapterWeights, evictable) -> bool:
-        """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot."""
+    def make_room(self, weights: AdapterWeights, evictable, dry_run: bool = False) -> bool:
+        """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot.
+        ``dry_run``: only say whether it could, evicting nothing."""
         if self.fits(weights):
             return True
         needs, victims, plan = self.needs(weights), [], self.memory.plan()
@@ -137,7 +138,7 @@ class UnifiedGpuTier(GpuTier):
             for (width, chunk), count in self._chunks_of(key).items():
                 plan.release_in(width, chunk, count)
             if plan.fits(needs):
-                for victim in victims:
+                for victim in victims if not dry_run else ():
                     self.evict(victim)
                 return True
         return False
