@@ -46,6 +46,8 @@ class LoadQueue:
 
     def may_take_room(self, key: str, wanted_by_requests: Callable[[str], bool]) -> bool:
         """No older version that requests still wait for is waiting for room before ``key``."""
+        if not self._no_room:  # the usual case, checked for every queued version every step
+            return True
         for other in self._keys:
             if other == key:
                 return True
