@@ -14,6 +14,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
 TIERS = ("gpu", "host", "disk")
 
@@ -32,6 +33,9 @@ def ttft_cdf_plot(result: dict, dst: str) -> bool:
                     ms, [(i + 1) / len(ms) for i in range(len(ms))], where="post", label=f"{tier} ({len(ms)})"
                 )
         ax.set_xscale("log")
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel("time to first token (ms)")
         ax.set_title(
             f"S-LoRA trace, alpha={row['alpha']}" if row["alpha"] is not None else "base-only engine"
