@@ -65,8 +65,15 @@ def _llama3_8b_model(work: Path) -> None:
     raw = {**LLAMA3_8B}
     (work / "config.json").write_text(json.dumps(raw))
     model = random_model(ModelConfig.from_dict(raw, max_model_len=2048), torch.device("cuda"), torch.bfloat16)
+    _write_shards(hf_state_dict(model), work, save_file)
+    del model
+    torch.cuda.empty_cache()  # the servers started next need the GPU's memory
+    _word_tokenizer(raw["vocab_size"], raw["eos_token_id"]).save_pretrained(work)
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], work: Path, save_file) -> None:
     shard, size, n = {}, 0, 0
-    for name, t in hf_state_dict(model).items():
+    for name, t in tensors.items():
         shard[name] = t.contiguous().cpu()
         size += t.numel() * t.element_size()
         if size >= SHARD_BYTES:
@@ -74,9 +81,6 @@ def _llama3_8b_model(work: Path) -> None:
             shard, size, n = {}, 0, n + 1
     if shard:
         save_file(shard, str(work / f"model-{n:05d}.safetensors"), metadata={"format": "pt"})
-    del model, shard
-    torch.cuda.empty_cache()
-    _word_tokenizer(raw["vocab_size"], raw["eos_token_id"]).save_pretrained(work)
 
 
 def _word_tokenizer(vocab_size: int, eos: int):

@@ -1,7 +1,8 @@
 """GPU room goes to the oldest waiting adapter first: a younger adapter that would fit the rows one finishing
 request frees must not take them while an older one, still wanted by its requests, waits for room that
-evictions could give it (else a stream of smaller adapters starves it until its requests time out). An older
-adapter that could never fit, or that no request waits for any more, holds nobody back."""
+the end of the running requests will give it (else a stream of smaller adapters starves it until its requests
+time out). An older adapter that needs more (pinned adapters, or adapters whose queue keeps filling, hold the
+rest), or that no request waits for any more, holds nobody back."""
 
 from __future__ import annotations
 
@@ -58,10 +59,15 @@ def test_a_younger_adapter_waits_behind_an_older_one_that_needs_the_room(tiny_ll
     assert lora.is_ready("young@v1")  # then the younger one, in the 8 rows left
 
 
-def test_an_older_adapter_that_cannot_fit_or_is_no_longer_wanted_holds_nobody_back(tiny_llama_dir, folders):
+def test_an_older_adapter_that_needs_more_or_is_no_longer_wanted_holds_nobody_back(tiny_llama_dir, folders):
     lora = tiers(tiny_llama_dir, folders)
     lora.set_pinned("big1@v1", True)
     lora.set_pinned("small1@v1", True)  # 8 unpinned rows: old (r16) can never fit
+    assert not ask(lora, "old@v1")
+    assert ask(lora, "young@v1")
+    lora = tiers(tiny_llama_dir, folders)
+    for key in ("big1@v1", "small1@v1", "big1@v1", "small1@v1"):
+        lora.hold(key)  # each runs one request and has another queued: their rows will not free up soon
     assert not ask(lora, "old@v1")
     assert ask(lora, "young@v1")
     lora = tiers(tiny_llama_dir, folders)

@@ -5,7 +5,9 @@ Fairness: a version may take GPU room only while no older one that requests stil
 waiting for room that evictions could give it. Without this, a stream of younger adapters that each fit
 the rows freed by one finishing request (a smaller rank, or simply asked for first in that step) takes every
 freed row before an older, larger one, whose requests then fail at the load timeout although the pool turns
-over all the time. An older version that could never fit (more rows than the unpinned pool) blocks nobody.
+over all the time. An older version waits in line only for room that will free up when the requests now
+running end (rows free or held by versions that are idle or only running, not pinned and with no more
+requests queued); one that needs more, or that no request waits for any more, blocks nobody.
 """
 
 from __future__ import annotations

@@ -326,9 +326,11 @@ class AdapterTiers:
         v = self.versions.get(key)
         return v is not None and v.in_flight > 0
 
-    def _unpinned(self, key: str) -> bool:
+    def _frees_up(self, key: str) -> bool:
+        """Evictable once the requests running on it end: not pinned, and no request of it still queued (an
+        adapter whose queue keeps filling may never free its rows, and nobody should wait behind that)."""
         v = self.versions.get(key)
-        return v is None or not v.pinned
+        return v is None or not (v.pinned or v.in_flight > v.refs)
 
     def _advance(self, key: str, queued: bool = True) -> bool:
         """One non-blocking move toward the GPU; True once it is usable there. ``queued``: it takes GPU room
@@ -361,8 +363,8 @@ class AdapterTiers:
         if queued and not self.wanted.may_take_room(key, self._requested):
             return False
         if not self.gpu.make_room(weights, self._gpu_evictable):
-            if queued:  # waits in line only for room that evicting unpinned versions could give
-                self.wanted.waits_for_room(key, self.gpu.make_room(weights, self._unpinned, dry_run=True))
+            if queued:  # waits in line only for room that the running requests' end will give
+                self.wanted.waits_for_room(key, self.gpu.make_room(weights, self._frees_up, dry_run=True))
             return False
         self.wanted.waits_for_room(key, False)
         start = time.perf_counter()
