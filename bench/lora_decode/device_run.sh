@@ -12,6 +12,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu -
 PT=(python3 -m pytest --rootdir="$R" -c "$R/pyproject.toml" -o "pythonpath=$LP $R" -p no:cacheprovider -q -rs)
 if [ -z "$SKIP_TESTS" ]; then
   (cd /tmp && timeout 150 "${PT[@]}" "$R/tests/engine/test_lora_merge.py" "$R/tests/engine/test_lora_engine.py" \
+    "$R/tests/engine/test_lora_graph_families.py" \
     -k gpu 2>&1 | tail -30 | tee "$O/lora-decode-gpu-tests.txt")
   if [ -n "$KERNEL_TESTS" ]; then
     (cd /tmp && timeout 300 "${PT[@]}" -m gpu "$R/tests/kernels" 2>&1 | tail -30 | tee -a "$O/lora-decode-gpu-tests.txt")

@@ -36,6 +36,9 @@ from shapes import LLAMA3_8B  # noqa: E402
 from shapes import TINY_LLAMA as TINY  # noqa: E402
 from synth import adapter_weights  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import step_profile  # noqa: E402
+
 PREFILL_SEQS, PREFILL_LEN = 8, 256  # T = 2048
 MIXED_RANKS = (8, 16, 32, 64)
 
@@ -251,6 +254,18 @@ def run(argv: list[str]) -> dict:
         "mixed: 32 base-only rows, 32 adapters r8-64",
         [None if i % 2 == 0 else f"m{i // 2}@v1" for i in range(B)],
     )
+    if device.type == "cuda":  # where the device time of a step goes (LoRA kernels, the rest, gaps)
+        for case, engine, ads in (("profile: base engine", base, [None] * B), ("profile: 64 distinct r16", runner, d64),
+                                  ("profile: 64 distinct q,v-only r8", runner, [f"qv{i}@v1" for i in range(B)])):  # fmt: skip
+            batch = decode_batch(engine, ads)
+            rows.append(
+                {
+                    "case": case,
+                    "section": "profile",
+                    **step_profile(lambda e=engine, b=batch: e.forward_logits(b)),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
     for n in (2, 4, 8, 16, 32):
         decode(f"{n} distinct r16 all modules", [f"d{i % n}@v1" for i in range(B)])
     # -- prefill T = 2048 --
@@ -297,6 +312,11 @@ def run(argv: list[str]) -> dict:
             "qv64_ms",
             "mixed_ms",
             "sum_x_base",
+            "span_ms",
+            "lora_kernel_ms",
+            "other_kernel_ms",
+            "gaps_ms",
+            "n_kernels",
         ],  # fmt: skip
         "rows": rows,
         "meta": {
@@ -319,6 +339,8 @@ def run(argv: list[str]) -> dict:
             "before each decode case (both engines stay alive on the same weights).",
             "host_ms: median host time of the forward until its work is queued (the device waits for it); "
             "base_host_ms: the same for the base engine's step.",
+            "profile rows (CUDA): one step's kernels under torch.profiler: span from the first kernel's start to "
+            "the last one's end, the multi-LoRA kernels' busy time, the other kernels', and the gaps between kernels.",
             "floor_ms = base_step_ms + lora_bytes / copy bandwidth (each distinct adapter's pool bytes read once).",
             "target_ms: 1 adapter and q,v-only r8 <= 1.05x base; distinct and mixed: base + 1.3 x bytes/bandwidth "
             "+ 0.2 ms; prefill <= 1.10x base; base-only rows <= 1.02x base.",
