@@ -121,7 +121,6 @@ SWEEP = ({"table": False}, {}, {"fused": True})
 
 def recapture(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
     """The LoRA graph families captured again (under the current capture policy) for ``sizes``."""
-    torch.cuda.empty_cache()
     runner.capture_lora_graphs(sizes)
 
 

@@ -193,6 +193,7 @@ class ModelRunner:
         all-module family)."""
         self.graphs = self.module_graphs = None
         gc.collect()  # the graphs of an earlier capture give their memory back first
+        torch.cuda.empty_cache()
         sets = [] if self.tp is not None else self.config.lora_graph_module_sets
         self.graphs, self.module_graphs = capture_lora_families(
             self.model,
