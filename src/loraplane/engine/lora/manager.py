@@ -198,11 +198,13 @@ class AdapterTiers:
                     del self.aliases[name]
             return keys
 
-    def hold(self, key: str) -> None:
+    def hold(self, key: str, leased: bool = False) -> None:
         """Count a request in as it is submitted (any thread), in the same step as the check that ``key`` takes
-        requests: from then on an unload waits for it, even while it is still queued for the engine thread."""
+        requests: from then on an unload waits for it, even while it is still queued for the engine thread.
+        ``leased``: the caller holds an AdapterLease on ``key``, so an unloading version still takes it."""
         with self.lock:
-            self.get(key).in_flight += 1
+            v = self.versions.get(key) if leased else None
+            (v or self.get(key)).in_flight += 1
 
     def note_request(self, key: str, delta: int) -> None:
         """The async engine counts each request from submission (``hold``) to its end (queued or running)."""
