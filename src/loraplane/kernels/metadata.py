@@ -190,7 +190,10 @@ class LoRABatchMeta:
 def _tiles(grouped: np.ndarray, starts: np.ndarray, ends: np.ndarray, tile_m: int) -> np.ndarray:
     """int32 [n, 3] work tiles (slot, start in token_order, count <= tile_m): each group of one slot cut
     into runs of tile_m rows."""
-    per = -(-(ends - starts) // tile_m)  # [G] tiles per group
+    sizes = ends - starts  # [G]
+    if not (sizes > tile_m).any():  # decode: every group fits one tile
+        return np.stack([grouped[starts], starts, sizes], axis=1).astype(np.int32).reshape(-1, 3)
+    per = -(-sizes // tile_m)  # [G] tiles per group
     first = np.repeat(starts, per)  # [n] the group's start, per tile
     k = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)  # [n] tile index in its group
     t0 = first + k * tile_m
@@ -224,8 +227,9 @@ def _as_pairs(requests: Sequence[tuple[int, int]]) -> np.ndarray | None:
 def _pairs_ok(pairs: np.ndarray, ranks: Sequence[int]) -> bool:
     if (pairs[:, 1] < 0).any():
         return False
-    used = np.unique(pairs[:, 0])  # distinct slots: at most one per adapter of the step
-    return all(s == -1 or (0 <= s < len(ranks) and ranks[s] > 0) for s in used.tolist())
+    n = len(ranks)
+    # distinct slots: at most one per adapter of the step
+    return all(s == -1 or (0 <= s < n and ranks[s] > 0) for s in set(pairs[:, 0].tolist()))
 
 
 def _checked_pairs(requests: Sequence[tuple[int, int]], ranks: Sequence[int]) -> np.ndarray:
