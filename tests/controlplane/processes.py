@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import loraplane
+from tests.reaping import reaped
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 LOCAL = Path(sys.executable).parent  # the test environment's console scripts (`loraplane`)
@@ -112,8 +113,9 @@ class ProcessRuntime:
         env.update(self.extra_env)
         log = root / "container.log"
         with log.open("ab") as handle:
-            popen = subprocess.Popen([str(LOCAL / "loraplane"), *args], stdout=handle, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)  # fmt: skip
+            popen = subprocess.Popen(reaped([str(LOCAL / "loraplane"), *args]), stdout=handle,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root,
+                                     start_new_session=True)  # fmt: skip
         started = ProcessContainer(popen, log, self._probe(container, ip))
         self.started.append(started)
         return started
