@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.config import ATTENTION_MODULE_SETS, EngineConfig
 from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk
 from loraplane.engine.core.sequence import SamplingParams, Sequence
 from loraplane.engine.lora.weights import TARGET_MODULES, module_shapes
@@ -198,7 +198,8 @@ def run(argv: list[str]) -> dict:
     elem = torch.empty((), dtype=dtype).element_size()
     row_bytes = sum(cfg.num_layers * (i + o) * elem for i, o in module_shapes(cfg).values())
     lora_cfg = EngineConfig(lora_pool_bytes=2560 * row_bytes, lora_host_bytes=1 << 50, max_lora_rank=64,
-                            lora_merge=True, lora_merge_after_steps=4, **common)  # fmt: skip
+                            lora_merge=True, lora_merge_after_steps=4, lora_graph_module_sets=ATTENTION_MODULE_SETS,
+                            **common)  # fmt: skip
     t0 = time.perf_counter()
     runner = ModelRunner(lora_cfg, model=model, model_config=cfg)
     init_s = time.perf_counter() - t0

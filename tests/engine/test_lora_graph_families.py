@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 
-from loraplane.engine.core.config import PEFT_MODULES, EngineConfig  # noqa: E402
+from loraplane.engine.core.config import ATTENTION_MODULE_SETS, PEFT_MODULES, EngineConfig  # noqa: E402
 from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
 from loraplane.engine.core.sequence import SamplingParams  # noqa: E402
 from loraplane.engine.lora.weights import TARGET_MODULES  # noqa: E402
@@ -41,7 +41,8 @@ def setup(make_hf_model, tmp_path_factory):
 
 
 def make_engine(base, folders, device: str = "cpu", **kw) -> LLMEngine:
-    opts = dict(block_size=4, max_num_batched_tokens=256, num_kv_blocks=256)
+    opts = dict(block_size=4, max_num_batched_tokens=256, num_kv_blocks=256,
+                lora_graph_module_sets=ATTENTION_MODULE_SETS)  # fmt: skip
     engine = LLMEngine(EngineConfig(model=str(base), device=device, **{**opts, **kw}))
     lora = engine.runner.lora
     for name, folder in folders.items():

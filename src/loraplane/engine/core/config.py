@@ -9,6 +9,8 @@ _DTYPES = ("auto", "bfloat16", "float16", "float32")
 _DEVICES = ("auto", "cuda", "cpu")
 # PEFT module names an adapter may target (engine/lora/weights.py TARGET_MODULES, kept torch-free here)
 PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# lora_graph_module_sets for adapters on the attention projections: q,v-only and q,k,v,o-only steps
+ATTENTION_MODULE_SETS = (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -65,11 +67,9 @@ class EngineConfig:
     # Extra CUDA-graph families for decode steps whose adapters use only these modules: such a step
     # launches LoRA kernels for these modules alone, not for all seven (a q,v-only step: 2 launches a layer
     # instead of 8). Each family costs a capture at start and its logits buffers (buckets x vocab x 4 bytes,
-    # taken from KV). () captures none; tensor parallel captures none.
-    lora_graph_module_sets: tuple[tuple[str, ...], ...] = (
-        ("q_proj", "v_proj"),
-        ("q_proj", "k_proj", "v_proj", "o_proj"),
-    )
+    # taken from KV). () captures none (the default until the families are measured on a GPU; try
+    # ATTENTION_MODULE_SETS); tensor parallel captures none.
+    lora_graph_module_sets: tuple[tuple[str, ...], ...] = ()
     # "split": KV blocks and the adapter pools have fixed sizes. "unified": one arena per layer holds both, and
     # the share moves at run time (many adapters and short contexts: more adapters; long contexts: more KV).
     # Same total memory either way. Tensor parallel serves only "split".
