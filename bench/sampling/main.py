@@ -88,7 +88,9 @@ class SchemaGrammar:
 
         schema = runpy.run_path(str(Path(__file__).resolve().parents[1] / "structured" / "main.py"))["SCHEMA"]
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        self.compiled = Grammars().compile(Spec("json_schema", schema, "response_format"), self.tokenizer, vocab)
+        self.compiled = Grammars().compile(
+            Spec("json_schema", schema, "response_format"), self.tokenizer, vocab
+        )
         self.prefix = self.tokenizer.encode(self.PREFIX, add_special_tokens=False)
 
     def matcher(self, stop_token_ids):
@@ -220,7 +222,9 @@ def run(argv: list[str]) -> dict:
             "output_tokens_per_row": OUTPUT_TOKENS,
             "iters": args.iters,
             "cuda_graphs": runner.graphs is not None,
-            "grammar": "xgrammar, the server's JSON Schema path" if grammar else "stand-in (a fixed mask row)",
+            "grammar": "xgrammar, the server's JSON Schema path"
+            if grammar
+            else "stand-in (a fixed mask row)",
         },  # fmt: skip
         "notes": [
             "step_ms: the whole runner step (median); sample_ms: sample() alone on the step's logits; "

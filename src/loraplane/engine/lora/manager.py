@@ -56,7 +56,9 @@ class AdapterTiers:
         self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
         self.gpu.share_with_kv(self._gpu_evictable, self._reclaim_for_kv)  # unified memory: KV may evict
         self.wanted = LoadQueue()  # requested toward the GPU and not there yet, first requested first
+        self.unloading: set[str] = set()  # marked for unloading, freed by ``poll`` once nothing uses them
         self.step_keys: frozenset[str] = frozenset()
+        self.step_modules: frozenset[str] = frozenset()  # modules the last prepared step's adapters have
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
         self.arena_misses = 0  # parses that found no room in the arena (benchmarks, tests)
         self.read: Reader = read_file  # how weights files are read (tests inject a slow or failing one)
@@ -124,6 +126,7 @@ class AdapterTiers:
                 )
             if old is not None:
                 old.unloading = False
+                self.unloading.discard(key)
                 old.pinned = old.pinned or pin
                 return self.info(key)
             if weights is None:
@@ -191,6 +194,7 @@ class AdapterTiers:
                 raise AdapterError("AdapterNotFound", f"adapter {name}@{version or '*'} is not loaded")
             for key in keys:
                 self.versions[key].unloading = True
+                self.unloading.add(key)
                 if self.aliases.get(name) == self.versions[key].version:
                     del self.aliases[name]
             return keys
@@ -380,12 +384,16 @@ class AdapterTiers:
                     self.wanted.discard(key)
                 else:
                     self._advance(key)
-            for key, v in list(self.versions.items()):
-                if v.unloading and not v.refs and not v.in_flight and key not in self.step_keys:
+            for key in list(self.unloading):  # not every version: poll runs before every step
+                v = self.versions.get(key)
+                if v is None or not v.unloading:
+                    self.unloading.discard(key)
+                elif not v.refs and not v.in_flight and key not in self.step_keys:
                     if self.gpu.holds(key):
                         self.gpu.evict(key)
                     self.host.drop(key)
                     self.wanted.discard(key)
+                    self.unloading.discard(key)
                     del self.versions[key]
 
     def ensure_resident(self, keys) -> None:
@@ -430,14 +438,17 @@ class AdapterTiers:
             if kind == "graph" or keys:
                 reqs = [(self.gpu.slot_id[k] if k is not None else -1, n) for k, n in chunks]
                 meta = self._metas[kind].build(reqs, self.gpu.ranks)
+            used = {m for k in keys for m in self.gpu.slots[k]}  # modules some token of the step has
+            self.step_modules = frozenset(used)
             if kind == "graph":
                 return dict.fromkeys(self.gpu.pools, meta)
-            used = {m for k in keys for m in self.gpu.slots[k]}  # modules some token of the step has
             return {m: meta if m in used else None for m in self.gpu.pools}
 
-    def graph_metas(self) -> dict[str, LoRABatchMeta]:
-        """The fixed metadata a decode graph is captured with (every module, no tiles)."""
-        return dict.fromkeys(self.gpu.pools, self._metas["graph"].build([], self.gpu.ranks))
+    def graph_metas(self, modules=None) -> dict[str, LoRABatchMeta | None]:
+        """The fixed metadata a decode graph is captured with (no tiles), for ``modules`` (default: every
+        module); the others get None, so the graph holds no launch for them."""
+        meta = self._metas["graph"].build([], self.gpu.ranks)
+        return {m: meta if modules is None or m in modules else None for m in self.gpu.pools}
 
     def close(self) -> None:
         self.loader.close()
