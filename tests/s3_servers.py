@@ -29,6 +29,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from tests.reaping import reaped
+
 # weed mini binds these whatever -s3.port says: one instance per machine.
 SEAWEEDFS_FIXED_PORTS = (9333, 9340, 8888, 7333, 8181, 9101, 23646, 19333, 18888)
 SEAWEEDFS_LOCK = Path("/tmp/loraplane-seaweedfs.lock")
@@ -152,7 +154,10 @@ def moto_server(port: int | None = None, *, threaded: bool = False) -> Iterator[
     log = Path(os.environ.get("TMPDIR", "/tmp")) / f"moto-{port}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [binary, "-H", "127.0.0.1", "-p", str(port)], stdout=out, stderr=subprocess.STDOUT, cwd="/"
+            reaped([binary, "-H", "127.0.0.1", "-p", str(port)]),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd="/",
         )
     try:
         _wait_http(url + "/moto-api/", proc, 60, log)
@@ -211,14 +216,16 @@ def seaweedfs_server(
         log = Path(workdir) / "weed.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                [
-                    str(binary),
-                    "mini",
-                    f"-dir={data}",
-                    "-ip=127.0.0.1",
-                    "-ip.bind=127.0.0.1",
-                    f"-s3.port={s3_port}",
-                ],
+                reaped(
+                    [
+                        str(binary),
+                        "mini",
+                        f"-dir={data}",
+                        "-ip=127.0.0.1",
+                        "-ip.bind=127.0.0.1",
+                        f"-s3.port={s3_port}",
+                    ]
+                ),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,

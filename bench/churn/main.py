@@ -172,8 +172,9 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
         assert manager.tier_of(key) == tier, (key, manager.tier_of(key), tier)
         return key
 
-    tiers = ("base", "gpu", "host", "disk") if lora else ("base",)
-    for state in ("idle", "loaded"):
+    skip = b.args.skip
+    tiers = (("base", "gpu", "host", "disk") if lora else ("base",)) if "ttft" not in skip else ()
+    for state in ("idle", "loaded") if tiers else ("loaded",):
         stop, tokens, decoding = asyncio.Event(), [], set()
         bg = None
         if state == "loaded":
@@ -202,7 +203,8 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
                          "stages_ms": _median_stages(stages), "sample_steps": steps})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         if state == "loaded":
-            rows += await decode_under_loads(b, engine, label, tokens, cold if lora else None, clock)
+            if "decode" not in skip:
+                rows += await decode_under_loads(b, engine, label, tokens, cold if lora else None, clock)
             stop.set()
             await bg
     return rows
@@ -217,7 +219,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
     arrivals, prompts, lens_out = trace
     n, rows = len(prompts), []
     if not lora:
-        r = await serve_trace(engine, arrivals, prompts, lens_out, [None] * n)
+        r = await serve_trace(engine, arrivals, prompts, lens_out, [None] * n, tier_of=lambda key: "base")
         rows.append(
             {
                 "case": f"S-LoRA trace {label} ({n} req, {b.args.rate}/s)",
@@ -244,7 +246,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
         adapters = [f"s{i}@v1" for i in make_assignment(b.args, n, alpha)]
         working = sum(b.adapter_bytes(RANKS[int(a[1:].split("@")[0]) % 4]) for a in set(adapters))
         before = dict(manager.tier_stats())
-        r = await serve_trace(engine, arrivals, prompts, lens_out, adapters)
+        r = await serve_trace(engine, arrivals, prompts, lens_out, adapters, manager.tier_of)
         loads = [manager.info(k).timings for k, v in manager.versions.items() if "disk_read" in v.timings]
         rows.append({"case": f"S-LoRA trace {label} alpha={alpha} ({n} req, {b.args.rate}/s, {b.args.adapters} adapters)",
                      "section": "slora", "alpha": alpha, **r, "working_set_gb": working / 1e9,
@@ -303,7 +305,13 @@ def summarize(rows: list[dict], floors: dict, b: Bench) -> dict:
 def run(argv: list[str]) -> dict:
     parser = argparse.ArgumentParser(prog="bench churn")
     parser.add_argument("--quick", action="store_true", help="tiny model on the CPU: checks the script only")
-    parser.add_argument("--skip", nargs="*", default=[], help="sections: ttft slora")
+    parser.add_argument(
+        "--skip",
+        nargs="*",
+        default=[],
+        choices=["ttft", "decode", "slora"],
+        help="sections: ttft (TTFT by tier), decode (resident decode under loads), slora",
+    )
     parser.add_argument("--requests", type=int, default=160)
     parser.add_argument("--rate", type=float, default=16.0)
     parser.add_argument("--adapters", type=int, default=1000)
@@ -335,7 +343,7 @@ def run(argv: list[str]) -> dict:
 
         async def section(engine=engine, label=label, lora=lora) -> list[dict]:
             out = []
-            if "ttft" not in args.skip:
+            if not {"ttft", "decode"} <= set(args.skip):
                 out += await ttft_rows(b, engine, label, floors, lora)
             if "slora" not in args.skip:
                 out += await slora_rows(b, engine, label, trace, lora)

@@ -4,10 +4,12 @@ async httpx, each request at its arrival time), against a base-only server on th
 reads ``/health/live`` every 20 ms (the worst answer time is what a kubelet would see under churn).
 
     python bench/churn/server.py --out DIR --quick     # tiny random model on the CPU (checks the path)
+    python bench/churn/server.py --out DIR --gpu       # Llama-3-8B shape, random bf16 weights, one GPU
 
-Only ``--quick`` exists: the server needs a model folder on disk, and the GPU image has no fastapi, uvicorn or
-httpx. Adapters come from local folders; the admin API takes only ``s3://`` artifacts (signed, pulled into
-the host cache), so loading them through it needs an S3 endpoint and signed versions of every adapter.
+``--gpu`` writes the model folder (about 16 GB of safetensors) and needs fastapi, uvicorn and pydantic
+(bench/churn/device_server.sh installs them from carried wheels). Adapters come from local folders; the
+admin API takes only ``s3://`` artifacts (signed, pulled into the host cache), so loading them through it
+needs an S3 endpoint and signed versions of every adapter.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import types
 from pathlib import Path
 
 import httpx
@@ -31,31 +32,39 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(HERE), str(HERE.parent)]
+from server_build import RANKS, build  # noqa: E402
+
 _spec = importlib.util.spec_from_file_location("lora_bench", HERE.parent / "lora" / "main.py")
 lora_bench = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(lora_bench)  # the S-LoRA trace generator of the multi-LoRA benchmark
 
-RANKS = (8, 16)  # the tiny model's pools take max rank 16
 PROBE_S = 0.02
+GIB = 1 << 30
+SERVER_ARGS = {  # besides the pool and host-tier sizes
+    "quick": ["--device", "cpu", "--max-model-len", "128", "--num-kv-blocks", "1024", "--max-rank", "16"],
+    "gpu": ["--device", "cuda", "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "128",
+            "--max-rank", "64"],
+}  # fmt: skip
 
 
 @contextlib.contextmanager
-def serve(model_dir: Path, adapters: dict[str, Path], pool_bytes: int, host_bytes: int):
+def serve(model_dir: Path, mode: str, adapters: dict[str, Path], pool_bytes: int, host_bytes: int):
     """A ``loraplane serve`` process; yields its URL once /v1/models lists every adapter."""
     from tests.s3_servers import free_port
 
     port = free_port()
-    argv = [sys.executable, "-m", "loraplane.cli", "serve", "--model", str(model_dir), "--device", "cpu",
-            "--max-model-len", "128", "--num-kv-blocks", "1024", "--port", str(port), "--served-model-name",
-            "tiny", "--log-level", "warning", "--max-rank", "16", "--gpu-adapter-bytes", str(pool_bytes),
-            "--host-adapter-bytes", str(host_bytes)]  # fmt: skip
+    argv = [sys.executable, "-m", "loraplane.cli", "serve", "--model", str(model_dir), *SERVER_ARGS[mode],
+            "--port", str(port), "--served-model-name", "base", "--log-level", "warning",
+            "--gpu-adapter-bytes", str(pool_bytes), "--host-adapter-bytes", str(host_bytes)]  # fmt: skip
     for name, folder in adapters.items():
         argv += ["--adapter", f"{name}={folder}"]
+    log = model_dir / f"server-{port}.log"  # its stderr (a pipe nobody reads would fill and block it)
     process = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE)  # fmt: skip
+                               stderr=log.open("wb"))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    started = time.monotonic()
     try:
-        deadline = time.monotonic() + 180
+        deadline = started + 600
         while True:
             try:
                 if len(httpx.get(f"{url}/v1/models").json()["data"]) == 1 + len(adapters):
@@ -63,10 +72,12 @@ def serve(model_dir: Path, adapters: dict[str, Path], pool_bytes: int, host_byte
             except (httpx.HTTPError, KeyError, ValueError):
                 pass
             if process.poll() is not None:
-                raise RuntimeError(f"loraplane serve exited: {process.stderr.read().decode()[-2000:]}")
+                raise RuntimeError(f"loraplane serve exited: {log.read_text()[-2000:]}")
             if time.monotonic() > deadline:
-                raise RuntimeError("loraplane serve did not list its adapters within 180 s")
+                raise RuntimeError("loraplane serve did not list its adapters within 600 s")
             time.sleep(0.2)
+        print(json.dumps({"server_ready_s": round(time.monotonic() - started, 1), "adapters": len(adapters)}),
+              flush=True)  # fmt: skip
         yield url
     finally:
         process.terminate()
@@ -84,6 +95,9 @@ async def one(client: httpx.AsyncClient, t0: float, at: float, model: str, promp
                 return {"failed": f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"}
             async for line in response.aiter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line.removeprefix("data: "))
+                    if "error" in chunk:  # a failure after the 200 comes in band
+                        return {"failed": f"in-band error: {chunk['error'].get('message', chunk)!s:.200}"}
                     first = first or time.perf_counter()
                     chunks += 1
     except httpx.HTTPError as exc:
@@ -121,72 +135,66 @@ async def run_trace(url: str, trace, models: list[str]) -> dict:
             "errors": sorted({d["failed"] for d in done if "failed" in d})[:3]}  # fmt: skip
 
 
-def build(work: Path, n_adapters: int, used: set[int]) -> tuple[Path, dict[str, Path], int]:
-    """A tiny random Llama with a chat tokenizer, and one PEFT folder per adapter the traces use (files shared
-    per rank); returns the model folder, the folders, and one rank-row's bytes over every module."""
-    import torch
-    from workload import write_adapter_files
-
-    from loraplane.engine.lora.weights import module_shapes
-    from loraplane.engine.model.model_config import ModelConfig
-    from tests.engine.conftest import build_tiny_hf_model
-    from tests.http.conftest import build_chat_tokenizer
-
-    tokenizer = build_chat_tokenizer()
-    build_tiny_hf_model(work, "llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.convert_tokens_to_ids("<eos>"),
-                        bos_token_id=None, pad_token_id=None)  # fmt: skip
-    tokenizer.save_pretrained(work)
-    cfg = ModelConfig.from_pretrained(str(work))
-    b = types.SimpleNamespace(cfg=cfg, device=torch.device("cpu"), dtype=torch.float32, quick=True)
-    names = {f"s{i}": RANKS[i % len(RANKS)] for i in sorted(used)}
-    folders = write_adapter_files(b, work / "adapters", names, drop=False, link=True)
-    template = folders[f"s{min(used)}"]  # every adapter is registered; those no trace uses share a folder
-    folders = {f"s{i}": folders.get(f"s{i}", template) for i in range(n_adapters)}
-    row = sum(cfg.num_layers * (i + o) * 4 for i, o in module_shapes(cfg).values())
-    return work, folders, row
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench churn server")
-    parser.add_argument(
-        "--quick", action="store_true", required=True, help="tiny model on the CPU (the only mode)"
-    )
+    which = parser.add_mutually_exclusive_group(required=True)
+    which.add_argument("--quick", action="store_true", help="tiny model on the CPU")
+    which.add_argument("--gpu", action="store_true", help="Llama-3-8B shape on one GPU")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--rate", type=float, default=8.0)
-    parser.add_argument("--adapters", type=int, default=40)
+    parser.add_argument("--requests", type=int, default=None, help="default: 24 (quick), 100 (gpu)")
+    parser.add_argument("--rate", type=float, default=None, help="requests/s; default: 8 (quick), 16 (gpu)")
+    parser.add_argument("--adapters", type=int, default=None, help="default: 40 (quick), 1000 (gpu)")
     parser.add_argument("--alphas", type=float, nargs="*", default=[1.0, 0.1])
+    parser.add_argument(
+        "--pool-gib", type=float, default=8.0, help="GPU adapter pool (gpu; below the working set)"
+    )
+    parser.add_argument("--host-gib", type=float, default=4.0, help="host tier (gpu; below the working set)")
+    parser.add_argument("--dir", default=None, help="where the model and adapter folders are written")
     args = parser.parse_args(argv)
-    trace = lora_bench.make_trace(args.requests, args.rate, max_len=40)
+    mode = "quick" if args.quick else "gpu"
+    gpu = mode == "gpu"
+    args.requests = args.requests or (100 if gpu else 24)
+    args.rate = args.rate or (16.0 if gpu else 8.0)
+    args.adapters = args.adapters or (1000 if gpu else 40)
+    trace = lora_bench.make_trace(args.requests, args.rate, max_len=512 if gpu else 40)
     assign = {a: [min(int(i), args.adapters - 1) for i in
                   np.floor(np.random.default_rng(1).power(a, args.requests) * args.adapters)] for a in args.alphas}  # fmt: skip
     used = {i for idx in assign.values() for i in idx}
-    work, folders, row = build(Path(tempfile.mkdtemp(prefix="churn-server-")), args.adapters, used)
+    work = Path(tempfile.mkdtemp(prefix="churn-server-", dir=args.dir))
+    built = time.perf_counter()
+    folders, row = build(work, mode, args.adapters, used)
+    print(json.dumps({"model_and_adapters_written_s": round(time.perf_counter() - built, 1)}), flush=True)
     vocab = json.loads((work / "config.json").read_text())["vocab_size"]
     trace = (trace[0], [[t % (vocab - 1) + 1 for t in p] for p in trace[1]], trace[2])
-    working = sum(row * RANKS[i % len(RANKS)] for i in used)
-    pool, host = max(16 * row, working // 3), max(16 * row, working // 2)  # both below the working set
+    ranks = RANKS[mode]
+    working = sum(row * ranks[i % len(ranks)] for i in used)
+    if gpu:
+        pool, host = int(args.pool_gib * GIB), int(args.host_gib * GIB)
+    else:
+        pool, host = max(16 * row, working // 3), max(16 * row, working // 2)  # both below the working set
     rows = []
-    with serve(work, {}, pool, host) as url:
+    with serve(work, mode, {}, pool, host) as url:
         rows.append({"case": f"server base ({args.requests} req, {args.rate}/s)", "alpha": None,
-                     **asyncio.run(run_trace(url, trace, ["tiny"] * args.requests))})  # fmt: skip
-    with serve(work, folders, pool, host) as url:
+                     **asyncio.run(run_trace(url, trace, ["base"] * args.requests))})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
+    with serve(work, mode, folders, pool, host) as url:
         for alpha in args.alphas:
             models = [f"s{i}" for i in assign[alpha]]
             rows.append({"case": f"server LoRA alpha={alpha} ({args.requests} req, {len(folders)} adapters on the disk tier)",
                          "alpha": alpha, "distinct": len(set(models)), **asyncio.run(run_trace(url, trace, models))})  # fmt: skip
-    for r in rows:
-        print(json.dumps(r), flush=True)
+            print(json.dumps(rows[-1]), flush=True)
     base = rows[0]
     summary = {f"alpha={r['alpha']}": {"throughput_vs_base": r["tok_s"] / base["tok_s"],
                                        "ttft_p50_vs_base": r["ttft_p50_ms"] / base["ttft_p50_ms"],
                                        "ttft_p99_vs_base": r["ttft_p99_ms"] / base["ttft_p99_ms"]}
                for r in rows[1:]}  # fmt: skip
     summary["health_live_max_ms"] = max(r["health_live_max_ms"] or 0.0 for r in rows)
-    result = {"title": "Adapter churn through loraplane serve (tiny random Llama, CPU, --quick)",
+    title = "Llama-3-8B shape, random bf16 weights, one GPU" if gpu else "tiny random Llama, CPU, --quick"
+    result = {"title": f"Adapter churn through loraplane serve ({title})",
               "columns": ["case", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "failed", "health_live_max_ms", "distinct"],
               "rows": rows, "summary": summary,
-              "meta": {"working_set_mb": working / 1e6, "gpu_adapter_bytes (pool, CPU)": pool, "host_adapter_bytes": host}}  # fmt: skip
+              "meta": {"working_set_gb": working / 1e9, "gpu_adapter_bytes": pool, "host_adapter_bytes": host,
+                       "device": torch_device()}}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "churn-server.json").write_text(json.dumps(result, indent=1, default=str))
@@ -195,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
     (out / "churn-server.md").write_text(markdown(result))
     print(markdown(result))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def torch_device() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 if __name__ == "__main__":

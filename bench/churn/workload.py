@@ -121,20 +121,25 @@ async def first_token_ms(engine, prompt: list[int], adapter: str | None) -> floa
     return first
 
 
-async def serve_trace(engine, arrivals, prompts, lens_out, adapters) -> dict:
-    """Each request submitted at its arrival time; tokens/s over the span, TTFT and inter-token percentiles."""
+async def serve_trace(engine, arrivals, prompts, lens_out, adapters, tier_of=None) -> dict:
+    """Each request submitted at its arrival time; tokens/s over the span, TTFT and inter-token percentiles;
+    with ``tier_of(key)``, each request's TTFT under the tier its adapter was on when it arrived."""
     t0 = time.perf_counter()
     ttft, itl, ends, failed = [], [], [], 0
     total = 0
+    by_tier: dict[str, list[float]] = {}
 
     async def one(i: int) -> None:
         nonlocal total, failed
         await asyncio.sleep(max(0.0, t0 + float(arrivals[i]) - time.perf_counter()))
         params = SamplingParams(temperature=0.0, max_tokens=int(lens_out[i]), ignore_eos=True)
+        tier = (tier_of(adapters[i]) if adapters[i] else "base") if tier_of else None
         start = last = time.perf_counter()
         try:
             async for out in engine.add_request(prompts[i], params, adapter=adapters[i]):
                 now = time.perf_counter()
+                if last == start and tier is not None:
+                    by_tier.setdefault(tier, []).append(round((now - start) * 1e3, 1))
                 (itl if last != start else ttft).append(now - last)
                 last = now
                 total += len(out.new_token_ids)
@@ -148,4 +153,5 @@ async def serve_trace(engine, arrivals, prompts, lens_out, adapters) -> dict:
     return {"tok_s": total / span, "seconds": span, "failed": failed,
             "ttft_p50_ms": float(np.percentile(ttft_ms, 50)), "ttft_p99_ms": float(np.percentile(ttft_ms, 99)),
             "itl_p50_ms": float(np.percentile(itl_ms, 50)), "itl_p99_ms": float(np.percentile(itl_ms, 99)),
-            "distinct": len({a for a in adapters if a})}  # fmt: skip
+            "distinct": len({a for a in adapters if a}),
+            **({"ttft_by_tier_ms": {t: sorted(v) for t, v in by_tier.items()}} if tier_of else {})}  # fmt: skip

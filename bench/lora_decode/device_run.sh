@@ -11,10 +11,11 @@ mkdir -p "$O"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem,temperature.gpu --format=csv,noheader
 PT=(python3 -m pytest --rootdir="$R" -c "$R/pyproject.toml" -o "pythonpath=$LP $R" -p no:cacheprovider -q -rs)
 if [ -z "$SKIP_TESTS" ]; then
-  (cd /tmp && timeout 150 "${PT[@]}" "$R/tests/engine/test_lora_merge.py" "$R/tests/engine/test_lora_engine.py" \
+  (cd /tmp && timeout 200 "${PT[@]}" "$R/tests/engine/test_lora_merge.py" "$R/tests/engine/test_lora_engine.py" \
+    "$R/tests/engine/test_lora_graph_families.py" \
     -k gpu 2>&1 | tail -30 | tee "$O/lora-decode-gpu-tests.txt")
   if [ -n "$KERNEL_TESTS" ]; then
     (cd /tmp && timeout 300 "${PT[@]}" -m gpu "$R/tests/kernels" 2>&1 | tail -30 | tee -a "$O/lora-decode-gpu-tests.txt")
   fi
 fi
-timeout 300 python3 bench/run.py lora_decode --out "$O" --name lora-decode "$@" 2>&1 | tee "$O/lora-decode-bench.log" | grep -v '^{'
+timeout 360 python3 bench/run.py lora_decode --out "$O" --name lora-decode "$@" 2>&1 | tee "$O/lora-decode-bench.log" | grep -v '^{'

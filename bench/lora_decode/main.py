@@ -13,7 +13,6 @@ measured in this run; ``target_ms`` is what the targets allow.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import tempfile
@@ -22,11 +21,10 @@ from pathlib import Path
 
 import torch
 
-from loraplane.engine.core.config import EngineConfig
+from loraplane.engine.core.config import ATTENTION_MODULE_SETS, EngineConfig
 from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk
 from loraplane.engine.core.sequence import SamplingParams, Sequence
 from loraplane.engine.lora.weights import TARGET_MODULES, module_shapes
-from loraplane.engine.model.cuda_graphs import DecodeGraphs
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.engine.model.runner import ModelRunner
 from loraplane.engine.model.weights import random_model
@@ -37,6 +35,9 @@ from lora.main import CTX, QV, B, decode_batch, sync, timer  # noqa: E402
 from shapes import LLAMA3_8B  # noqa: E402
 from shapes import TINY_LLAMA as TINY  # noqa: E402
 from synth import adapter_weights  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_profile import step_profile  # noqa: E402
 
 PREFILL_SEQS, PREFILL_LEN = 8, 256  # T = 2048
 MIXED_RANKS = (8, 16, 32, 64)
@@ -76,6 +77,22 @@ def measure(runner: ModelRunner, batch: ScheduledBatch, median_ms, merge: bool) 
         runner.merger = merger
 
 
+def host_ms(runner: ModelRunner, batch: ScheduledBatch, iters: int = 30) -> float:
+    """Median host ms of one forward until its work is queued (inputs, LoRA metadata, graph launch); the
+    device is idle meanwhile, so this is part of the step."""
+    merger, runner.merger = runner.merger, None
+    times = []
+    try:
+        for _ in range(iters):
+            t = time.perf_counter()
+            runner.forward_logits(batch)
+            times.append((time.perf_counter() - t) * 1e3)
+            torch.cuda.synchronize() if runner.device.type == "cuda" else None
+    finally:
+        runner.merger = merger
+    return sorted(times)[len(times) // 2]
+
+
 def register_adapters(runner: ModelRunner, cfg: ModelConfig, dtype, pin: bool) -> None:
     """d0..d63: r16 all modules; qv0..qv63: q,v-only r8; m0..m31: ranks 8-64 all modules. Host weights
     are shared per kind (values do not matter for speed); each adapter gets its own GPU pages."""
@@ -103,15 +120,8 @@ SWEEP = ({"table": False}, {}, {"fused": True})
 
 
 def recapture(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
-    """The LoRA graph family captured again (under the current capture policy) for ``sizes``."""
-    runner.graphs = None
-    gc.collect()
-    torch.cuda.empty_cache()
-    runner.lora_state.metas = runner.lora.graph_metas()
-    try:
-        runner.graphs = DecodeGraphs(runner.model, sizes, runner.max_blocks_per_seq, runner.device)
-    finally:
-        runner.lora_state.metas = dict.fromkeys(runner.lora_state.pools)
+    """The LoRA graph families captured again (under the current capture policy) for ``sizes``."""
+    runner.capture_lora_graphs(sizes)
 
 
 def sweep_policies(runner: ModelRunner, cases: dict, median_ms, base_decode) -> tuple[list[dict], dict]:
@@ -174,6 +184,7 @@ def run(argv: list[str]) -> dict:
     # Its graphs keep reading these KV tensors after the LoRA engine attaches its own to the layers.
     base_kv = [(layer.self_attn.k_cache, layer.self_attn.v_cache) for layer in model.model.layers]
     base_batch = decode_batch(base, [None] * B)
+    base_host = host_ms(base, base_batch)
     base_samples: list[float] = []
     wrapped: list = []  # the LoRA engine's step state, once it wraps the shared model
 
@@ -187,7 +198,8 @@ def run(argv: list[str]) -> dict:
     elem = torch.empty((), dtype=dtype).element_size()
     row_bytes = sum(cfg.num_layers * (i + o) * elem for i, o in module_shapes(cfg).values())
     lora_cfg = EngineConfig(lora_pool_bytes=2560 * row_bytes, lora_host_bytes=1 << 50, max_lora_rank=64,
-                            lora_merge=True, lora_merge_after_steps=4, **common)  # fmt: skip
+                            lora_merge=True, lora_merge_after_steps=4, lora_graph_module_sets=ATTENTION_MODULE_SETS,
+                            **common)  # fmt: skip
     t0 = time.perf_counter()
     runner = ModelRunner(lora_cfg, model=model, model_config=cfg)
     init_s = time.perf_counter() - t0
@@ -198,17 +210,26 @@ def run(argv: list[str]) -> dict:
     register_adapters(runner, cfg, dtype, pin=device.type == "cuda")
     rows: list[dict] = []
 
-    def decode(case, adapters, target_x=None, merge=False):
-        """One decode case, with the base step measured just before it (same clocks, same thermal state)."""
+    def decode(case, adapters, target_x=None, merge=False, families=True):
+        """One decode case, with the base step measured just before it (same clocks, same thermal state).
+        ``families`` False: the all-module LoRA graphs serve the step (no module-set family)."""
         base_dec = base_decode()
         nbytes = lora_bytes(runner, adapters) if any(adapters) else 0
         target = base_dec * target_x if target_x else base_dec + 1.3 * nbytes / bw * 1e3 + 0.2
         merged_before = runner.merger.stats["merged_steps"]
-        ms = measure(runner, decode_batch(runner, adapters), median_ms, merge)
+        module_graphs = runner.module_graphs
+        if not families:
+            runner.module_graphs = {}
+        try:
+            batch = decode_batch(runner, adapters)
+            ms = measure(runner, batch, median_ms, merge)
+            host = host_ms(runner, batch) if not merge else None
+        finally:
+            runner.module_graphs = module_graphs
         distinct = len({a for a in adapters if a})
         merged_steps = runner.merger.stats["merged_steps"] - merged_before  # steps served on W'
         rows.append(row(case, ms, base_dec, nbytes, bw, target, section="decode", distinct=distinct,
-                        merged_steps=merged_steps))  # fmt: skip
+                        merged_steps=merged_steps, host_ms=host, base_host_ms=base_host))  # fmt: skip
 
     one = ["d0@v1"] * B
     d64 = [f"d{i}@v1" for i in range(B)]
@@ -227,9 +248,24 @@ def run(argv: list[str]) -> dict:
     decode("64 distinct r16 all modules", d64)
     decode("64 distinct q,v-only r8", [f"qv{i}@v1" for i in range(B)], 1.05)
     decode(
+        "64 distinct q,v-only r8, all-module graphs", [f"qv{i}@v1" for i in range(B)], 1.05, families=False
+    )
+    decode(
         "mixed: 32 base-only rows, 32 adapters r8-64",
         [None if i % 2 == 0 else f"m{i // 2}@v1" for i in range(B)],
     )
+    if device.type == "cuda":  # where the device time of a step goes (LoRA kernels, the rest, gaps)
+        for case, engine, ads in (("profile: base engine", base, [None] * B), ("profile: 64 distinct r16", runner, d64),
+                                  ("profile: 64 distinct q,v-only r8", runner, [f"qv{i}@v1" for i in range(B)])):  # fmt: skip
+            batch = decode_batch(engine, ads)
+            rows.append(
+                {
+                    "case": case,
+                    "section": "profile",
+                    **step_profile(lambda e=engine, b=batch: e.forward_logits(b)),
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
     for n in (2, 4, 8, 16, 32):
         decode(f"{n} distinct r16 all modules", [f"d{i % n}@v1" for i in range(B)])
     # -- prefill T = 2048 --
@@ -269,11 +305,18 @@ def run(argv: list[str]) -> dict:
             "target_ms",
             "meets",
             "merged_steps",
+            "host_ms",
+            "base_host_ms",
             "one_ms",
             "d64_ms",
             "qv64_ms",
             "mixed_ms",
             "sum_x_base",
+            "span_ms",
+            "lora_kernel_ms",
+            "other_kernel_ms",
+            "gaps_ms",
+            "n_kernels",
         ],  # fmt: skip
         "rows": rows,
         "meta": {
@@ -281,8 +324,9 @@ def run(argv: list[str]) -> dict:
             "torch": torch.__version__,
             "copy bandwidth GB/s (1 GiB device copy, read + write)": round(bw / 1e9),
             "merged weights bytes (one copy of every projection)": runner.merger.bytes,
-            "LoRA runner init s (profile + pools + KV + 3 graph families)": round(init_s, 1),
+            "LoRA runner init s (profile + pools + KV + graph families)": round(init_s, 1),
             "capture policy of the LoRA graphs": str(capture_policy()),
+            "LoRA graph module sets (besides all modules)": [sorted(m) for m in runner.module_graphs or {}],
             "base decode step over the run, ms (min, max)": (
                 round(min(base_samples), 3),
                 round(max(base_samples), 3),
@@ -293,6 +337,10 @@ def run(argv: list[str]) -> dict:
             "step_ms: median forward (batch metadata and inputs in, logits out); decode replays CUDA graphs, "
             "prefill runs eagerly. base_step_ms: the base-only engine's step, same batch shape, measured just "
             "before each decode case (both engines stay alive on the same weights).",
+            "host_ms: median host time of the forward until its work is queued (the device waits for it); "
+            "base_host_ms: the same for the base engine's step.",
+            "profile rows (CUDA): one step's kernels under torch.profiler: span from the first kernel's start to "
+            "the last one's end, the multi-LoRA kernels' busy time, the other kernels', and the gaps between kernels.",
             "floor_ms = base_step_ms + lora_bytes / copy bandwidth (each distinct adapter's pool bytes read once).",
             "target_ms: 1 adapter and q,v-only r8 <= 1.05x base; distinct and mixed: base + 1.3 x bytes/bandwidth "
             "+ 0.2 ms; prefill <= 1.10x base; base-only rows <= 1.02x base.",

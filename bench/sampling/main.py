@@ -9,18 +9,22 @@ build the step's sampling metadata:
 - ``+ penalties``: presence 0.5, frequency 0.5, repetition 1.1 on every row, 256 output tokens each already
   counted;
 - ``+ all``: the penalties, 8 logit-bias entries, min-p 0.05 and an active min_tokens on every row;
-- ``+ grammar on half``: every other row under a grammar whose mask allows a third of the vocabulary. The
-  GPU image has no grammar library, so a stand-in matcher copies a fixed bitmask row: this times the engine's
-  part (the host rows, one copy, the masked fill); the grammar library's own fill time per step is
-  bench/structured's (CPU).
+- ``+ grammar on half``: every other row under a grammar. With ``--tokenizer DIR`` (a Hugging Face tokenizer
+  folder) and xgrammar installed, it is the server's own path: ``structured.Grammars`` compiles a JSON Schema
+  (bench/structured's) for that tokenizer, each constrained row gets its matcher, advanced into the first
+  string value (``{"name": "Al``, where a mask allows the most tokens), and every step fills the rows' masks
+  through xgrammar. Without them a stand-in matcher copies a fixed bitmask row allowing a third of the
+  vocabulary: that times only the engine's part (the host rows, one copy, the masked fill).
 
     python bench/run.py sampling --out DIR [--shape tiny --device cpu] [--batch 64] [--ctx 512]
+                                 [--tokenizer DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import runpy
 import statistics
 import sys
 import tempfile
@@ -72,17 +76,43 @@ class FixedRowGrammar:
         return FixedRowMatcher(self.row)
 
 
-def cases(vocab: int) -> dict[str, dict]:
+class SchemaGrammar:
+    """The server's grammar for bench/structured's JSON Schema; each matcher starts inside its first string."""
+
+    PREFIX = '{"name": "Al'
+
+    def __init__(self, tokenizer_dir: str, vocab: int) -> None:
+        from transformers import AutoTokenizer
+
+        from loraplane.http.structured import Grammars, Spec
+
+        schema = runpy.run_path(str(Path(__file__).resolve().parents[1] / "structured" / "main.py"))["SCHEMA"]
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        self.compiled = Grammars().compile(
+            Spec("json_schema", schema, "response_format"), self.tokenizer, vocab
+        )
+        self.prefix = self.tokenizer.encode(self.PREFIX, add_special_tokens=False)
+
+    def matcher(self, stop_token_ids):
+        matcher = self.compiled.matcher(stop_token_ids)
+        for token in self.prefix:
+            if not matcher.accept_token(token):
+                raise RuntimeError(f"the schema's grammar refused token {token} of {self.PREFIX!r}")
+        return matcher
+
+
+def cases(vocab: int, grammar=None) -> dict[str, dict]:
+    grammar = grammar or FixedRowGrammar(vocab)
     bias = tuple((t, 2.0) for t in range(8, 8 * 9, 8))
     everything = dict(**PENALTIES, logit_bias=bias, min_p=0.05, min_tokens=OUTPUT_TOKENS + 64)
     return {
         "greedy": dict(temperature=0.0),
         "greedy + penalties": dict(temperature=0.0, **PENALTIES),
-        "greedy + grammar on half": dict(temperature=0.0, grammar=FixedRowGrammar(vocab)),
+        "greedy + grammar on half": dict(temperature=0.0, grammar=grammar),
         "random": PLAIN_RANDOM,
         "random + penalties": dict(**PLAIN_RANDOM, **PENALTIES),
         "random + all": dict(**PLAIN_RANDOM, **everything),
-        "random + grammar on half": dict(**PLAIN_RANDOM, grammar=FixedRowGrammar(vocab)),
+        "random + grammar on half": dict(**PLAIN_RANDOM, grammar=grammar),
     }
 
 
@@ -152,6 +182,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--ctx", type=int, default=512)
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--profile", metavar="CASE", help="print torch.profiler's table of sample() for CASE")
+    parser.add_argument("--tokenizer", metavar="DIR", help="grammar rows through xgrammar for this tokenizer")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     torch.manual_seed(0)
@@ -161,7 +192,8 @@ def run(argv: list[str]) -> dict:
         layer.self_attn.v_cache.normal_()
     rows = []
     base: dict[str, float] = {}
-    for name, fields in cases(cfg.vocab_size).items():
+    grammar = SchemaGrammar(args.tokenizer, cfg.vocab_size) if args.tokenizer else None
+    for name, fields in cases(cfg.vocab_size, grammar).items():
         batch = make_batch(runner, fields, args.batch, args.ctx, seed=len(rows))
         seqs = [c.seq for c in batch.chunks]
         step_ms = timed_ms(lambda b=batch: runner.execute(b), device, args.iters)
@@ -190,6 +222,9 @@ def run(argv: list[str]) -> dict:
             "output_tokens_per_row": OUTPUT_TOKENS,
             "iters": args.iters,
             "cuda_graphs": runner.graphs is not None,
+            "grammar": "xgrammar, the server's JSON Schema path"
+            if grammar
+            else "stand-in (a fixed mask row)",
         },  # fmt: skip
         "notes": [
             "step_ms: the whole runner step (median); sample_ms: sample() alone on the step's logits; "

@@ -29,6 +29,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.reaping import reaped
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ADMIN_USER = "loraplane-test-admin"
 START_TIMEOUT = 120.0
@@ -96,7 +98,7 @@ class Process:
 def _spawn(name: str, argv: list[str], workdir: Path) -> Process:
     log = workdir / f"{name}.log"
     handle = log.open("wb")
-    popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+    popen = subprocess.Popen(reaped(argv), stdout=handle, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                              start_new_session=True)  # fmt: skip
     handle.close()
     return Process(name, popen, log)

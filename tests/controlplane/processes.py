@@ -16,7 +16,6 @@ process is ``loraplane <container args>``. What a kubelet would provide is made 
 from __future__ import annotations
 
 import base64
-import os
 import re
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import loraplane
+from tests.reaping import reaped
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 LOCAL = Path(sys.executable).parent  # the test environment's console scripts (`loraplane`)
@@ -113,11 +113,9 @@ class ProcessRuntime:
         env.update(self.extra_env)
         log = root / "container.log"
         with log.open("ab") as handle:
-            argv = [str(LOCAL / "loraplane"), *args]
-            if meta["name"].startswith("lp-loraplane") and os.environ.get("SCALE_PROFILE"):
-                argv = [str(LOCAL / "python"), "-m", "cProfile", "-o", os.environ["SCALE_PROFILE"], *argv]
-            popen = subprocess.Popen(argv, stdout=handle, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, env=env, cwd=root, start_new_session=True)  # fmt: skip
+            popen = subprocess.Popen(reaped([str(LOCAL / "loraplane"), *args]), stdout=handle,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=root,
+                                     start_new_session=True)  # fmt: skip
         started = ProcessContainer(popen, log, self._probe(container, ip))
         self.started.append(started)
         return started

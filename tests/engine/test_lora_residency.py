@@ -230,3 +230,50 @@ async def test_an_unload_waits_for_a_request_still_queued_for_the_engine_thread(
     finally:
         release.set()
         engine.close()
+
+
+async def test_a_lease_lets_a_requests_later_parts_start_on_a_version_being_unloaded(tiny_llama_dir, folders):
+    """The extra choices of ``n > 1`` start after the first one's first token: a lease taken with the first
+    keeps the version registered, so they start on it even once its unload has begun; nothing else does, and
+    the version is freed once the lease and its requests are done."""
+    engine = AsyncEngine(engine_for(tiny_llama_dir))
+    try:
+        await engine.load_adapter("n", "v1", folders["a0"], "d0")
+        await engine.set_alias("n", "v1")
+        expected = await collect(engine.add_request(PROMPT, GREEDY, adapter="n@v1"))
+        lease = engine.lease_adapter("n@v1")
+        assert await engine.unload_adapter("n", "v1") == ["n@v1"]
+        assert engine.engine.adapters.is_registered("n@v1"), "freed under a live lease"
+        with pytest.raises(AdapterError) as err:  # a request without the lease is refused
+            engine.add_request(PROMPT, GREEDY, adapter="n@v1")
+        assert err.value.reason == "AdapterNotFound"
+        later = engine.add_request(PROMPT, GREEDY, adapter="n@v1", lease=lease)
+        lease.release()
+        lease.release()  # idempotent: counted out once
+        assert await collect(later) == expected
+        with pytest.raises(AdapterError):  # a released lease admits nothing more
+            engine.add_request(PROMPT, GREEDY, adapter="n@v1", lease=lease)
+        for _ in range(200):  # freed once the lease and its request are done
+            if not engine.engine.adapters.is_registered("n@v1"):
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.engine.adapters.is_registered("n@v1")
+        with pytest.raises(AdapterError):  # no lease on a version that takes no requests
+            engine.lease_adapter("n@v1")
+    finally:
+        engine.close()
+
+
+async def test_a_forgotten_lease_is_released_by_the_collector(tiny_llama_dir, folders):
+    engine = AsyncEngine(engine_for(tiny_llama_dir))
+    try:
+        await engine.load_adapter("n", "v1", folders["a0"], "d0")
+        engine.lease_adapter("n@v1")  # dropped at once
+        await engine.unload_adapter("n", "v1")
+        for _ in range(200):
+            if not engine.engine.adapters.is_registered("n@v1"):
+                break
+            await asyncio.sleep(0.01)
+        assert not engine.engine.adapters.is_registered("n@v1")
+    finally:
+        engine.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
@@ -80,3 +81,49 @@ def test_a_client_leaving_aborts_every_choice(server, engine):
     children = {f"{request_id}-{i}" for i in range(3)}
     wait_until(lambda: children <= set(engine.aborted), "every choice's abort")
     wait_until(lambda: not engine.engine.has_unfinished(), "the engine going idle")
+
+
+def test_later_choices_start_on_the_first_ones_version_while_it_unloads(tiny_chat_model_dir, tmp_path):
+    """The extra choices start after choice 0's first token. Here the version's unload begins exactly then
+    (before choice 1 is submitted): the request's lease keeps it, every choice finishes on it, and the
+    version is freed once the request is done."""
+    from loraplane.engine.core.async_engine import AsyncEngine
+    from loraplane.engine.core.config import EngineConfig
+    from loraplane.engine.core.llm_engine import LLMEngine
+    from loraplane.http.app import create_app
+    from loraplane.serve.main import load_tokenizer
+    from loraplane.serve.sources import open_local_folder
+    from tests.adapter_factory import make_peft_folder
+    from tests.http.conftest import MAX_MODEL_LEN, ServerThread
+
+    class UnloadsBeforeLaterChoices(AsyncEngine):
+        def add_request(self, prompt, sampling=None, request_id=None, adapter=None, lease=None):
+            if adapter is not None and request_id is not None and request_id.endswith("-1"):
+                self.engine.adapters.mark_unloading(*adapter.split("@"))
+            return super().add_request(prompt, sampling, request_id, adapter, lease)
+
+    tokenizer = load_tokenizer(str(tiny_chat_model_dir))
+    config = EngineConfig(model=str(tiny_chat_model_dir), device="cpu", dtype="float32",
+                          max_model_len=MAX_MODEL_LEN, num_kv_blocks=64)  # fmt: skip
+    engine = UnloadsBeforeLaterChoices(LLMEngine(config, tokenizer=tokenizer))
+    try:
+        base = json.loads((tiny_chat_model_dir / "config.json").read_text())
+        local = open_local_folder(make_peft_folder(tmp_path / "a", base_config=base, rank=4, seed=9), None,
+                                  engine.info())  # fmt: skip
+
+        async def load():
+            await engine.load_adapter("leased", local.version, local.path, local.digest)
+            await engine.set_alias("leased", local.version)
+
+        asyncio.run(load())
+        with ServerThread(create_app(engine, tokenizer, MODEL_NAME)) as server:
+            answer = httpx.post(f"{server.url}/v1/completions", timeout=60, json={
+                "model": "leased", "prompt": "hello", "max_tokens": 5, "n": 3, "temperature": 0, **NO_EOS})  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            body = answer.json()
+            assert len(body["choices"]) == 3 and body["usage"]["completion_tokens"] == 15
+            assert len({c["text"] for c in body["choices"]}) == 1  # greedy: one version answered all three
+            wait_until(lambda: not engine.engine.adapters.is_registered(f"leased@{local.version}"),
+                       "the version freed after the request")  # fmt: skip
+    finally:
+        engine.close()

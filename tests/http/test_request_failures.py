@@ -42,7 +42,7 @@ class ScriptedEngine:
     def abort(self, request_id) -> None:
         pass
 
-    def add_request(self, prompt, sampling, request_id=None, adapter=None):
+    def add_request(self, prompt, sampling, request_id=None, adapter=None, lease=None):
         if sampling.seed == OVERLOADED_AT_ADD:
             raise OverloadedError("the queue is full", 2.5)
         return self._stream(request_id, len(prompt), sampling.seed)

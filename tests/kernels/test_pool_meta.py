@@ -77,6 +77,37 @@ def test_write_places_rows_and_zeroes_unwritten_rank():
         pool.allocate(129, 1.0)
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["one-view", "apart"])
+def test_reused_rows_read_zero_in_every_layer_and_write_layers_places_all(apart):
+    """A pool's own buffers are one tensor per module (allocate zeroes a row in all layers in one kernel);
+    a caller's per-layer buffers in separate tensors take the per-layer path. Both must zero the previous
+    tenant's B rows in every layer, and ``write_layers`` must place every layer's rows."""
+    spec, L, dt = {"down": ModuleSpec(48, (32,))}, 3, torch.float16
+    bufs = None
+    if apart:
+        bufs = ({(i, "down"): torch.zeros(1, 16, 48, dtype=dt) for i in range(L)},
+                {(i, "down"): torch.zeros(16, 32, dtype=dt) for i in range(L)})  # fmt: skip
+    pool = LoRAPool(
+        spec, L, 16 * LoRAPool.page_bytes_for(spec, L, 1, dt), page_rank=8, dtype=dt, buffers=bufs
+    )
+    assert (pool._bt_all["down"] is None) == apart
+    old = pool.allocate(16, 1.0)
+    for i in range(L):
+        pool.write(old, i, "down", 0, torch.randn(16, 48), torch.randn(32, 16))
+    pool.free(old)
+    slot = pool.allocate(8, 1.0)
+    rows = pool.rows_of(slot)
+    for i in range(L):
+        assert (pool.bt[(i, "down")][rows] == 0).all(), f"layer {i}: stale B rows of a reused page leak"
+    a, b = torch.randn(L, 8, 48).to(dt), torch.randn(L, 32, 8).to(dt)
+    pool.write_layers(slot, "down", a, b.transpose(1, 2))  # B^T through a transposed view
+    for i in range(L):
+        assert torch.equal(pool.a[(i, "down")][0, rows], a[i])
+        assert torch.equal(pool.bt[(i, "down")][rows], b[i].T)
+    with pytest.raises(ValueError, match=r"write_layers: need a \[3, 8, 48\]"):
+        pool.write_layers(slot, "down", a[:, :4], b.transpose(1, 2))
+
+
 def test_module_spec_validates():
     with pytest.raises(ValueError, match="out_dims"):
         ModuleSpec(32, (24, 0))
@@ -152,3 +183,53 @@ def test_meta_rebuild_reuses_buffers_and_validates():
         LoRABatchMeta(8, tile_m=24)
     with pytest.raises(ValueError, match=r"rank 32 is outside \[1, max_rank=16\]"):
         LoRABatchMeta(8, capture=True, max_rank=16).build([(0, 2)], [32])
+
+
+def _grouping_by_hand(reqs, tile_m):
+    """The metadata's contract written as plain loops: rows grouped by slot (stable), tiles of tile_m."""
+    token_slot = [s for s, n in reqs for _ in range(n)]
+    order = sorted((r for r, s in enumerate(token_slot) if s >= 0), key=lambda r: token_slot[r])
+    tiles, i = [], 0
+    while i < len(order):
+        slot, j = token_slot[order[i]], i
+        while j < len(order) and token_slot[order[j]] == slot:
+            j += 1
+        tiles += [[slot, t0, min(tile_m, j - t0)] for t0 in range(i, j, tile_m)]
+        i = j
+    return token_slot, order, tiles
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_meta_build_equals_the_grouping_by_hand(seed):
+    """Random steps (base-only rows, empty requests, groups longer than a tile, rebuilt into the same
+    buffers): token slots, order, tiles, groups and the largest rank match plain loops."""
+    gen = torch.Generator().manual_seed(seed)
+    ranks = [0, 8, 16, 0, 64, 4, 32]
+    meta = LoRABatchMeta(96, tile_m=16)
+    for _ in range(3):
+        n = int(torch.randint(0, 12, (1,), generator=gen))
+        slots = [[-1, 1, 2, 4, 5, 6][int(i)] for i in torch.randint(0, 6, (n,), generator=gen)]
+        reqs = [(s, int(c)) for s, c in zip(slots, torch.randint(0, 9, (n,), generator=gen), strict=True)]
+        token_slot, order, tiles = _grouping_by_hand(reqs, 16)
+        meta.build(reqs, ranks)
+        T = len(token_slot)
+        assert meta.num_tokens == T and meta.token_slot[:T].tolist() == token_slot
+        assert set(meta.token_slot[T:].tolist()) <= {-1}
+        assert meta.token_order[: len(order)].tolist() == order
+        assert int(meta.num_tiles) == meta.host_num_tiles == len(tiles)
+        assert meta.tiles[: len(tiles)].tolist() == tiles and not meta.tiles[len(tiles) :].any()
+        assert [(s, idx.tolist()) for s, idx in meta.groups] == [
+            (s, [r for r in order if token_slot[r] == s]) for s in sorted({t[0] for t in tiles})
+        ]
+        assert meta.host_max_rank == max((ranks[t[0]] for t in tiles), default=0)
+
+
+def test_meta_odd_requests_name_the_first_bad_one():
+    meta = LoRABatchMeta(8)
+    with pytest.raises(ValueError, match=r"requests\[1\] must be \(slot, num_tokens\)"):
+        meta.build([(0, 1), (0, 1, 2)], [16])
+    with pytest.raises(ValueError, match=r"requests\[0\] must be \(slot, num_tokens\)"):
+        meta.build([("x", 1)], [16])
+    with pytest.raises(ValueError, match=r"requests\[2\].slot 5"):
+        meta.build([(0, 1), (-1, 1), (5, 1)], [16])
+    assert meta.build([], [16]).num_tokens == 0 and int(meta.num_tiles) == 0

@@ -47,6 +47,29 @@ def adapter_key(name: str, version: str) -> str:
     return f"{name}@{version}"
 
 
+class AdapterLease:
+    """One adapter version kept from being freed while a request still has parts to start on it (the extra
+    choices of ``n > 1`` start after the first one's first token). Counted as one request in flight until
+    ``release()`` (idempotent; the garbage collector releases a forgotten one)."""
+
+    __slots__ = ("key", "_release", "__weakref__")
+
+    def __init__(self, key: str, release: Any) -> None:
+        self.key, self._release = key, release
+
+    @property
+    def live(self) -> bool:
+        return self._release is not None
+
+    def release(self) -> None:
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+    def __del__(self) -> None:
+        self.release()
+
+
 class AdapterError(ValueError):
     """An adapter refused or unusable; ``reason`` is CamelCase (copied into the operator's conditions).
 

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
+from loraplane.engine.api import AdapterLease
 from loraplane.http.limits import Ticket
 from loraplane.http.usage import RequestMeter, unmetered
 
@@ -55,8 +56,9 @@ class Choices:
     """Starts choice 0 now (a refusal raises here, before any answer), the rest after its first output."""
 
     def __init__(self, request_id: str, n: int, start: Start, ticket: Ticket | None = None,
-                 meter: RequestMeter | None = None) -> None:  # fmt: skip
+                 meter: RequestMeter | None = None, lease: AdapterLease | None = None) -> None:  # fmt: skip
         self.n, self.ids, self._start, self._ticket = n, child_ids(request_id, n), start, ticket
+        self._lease = lease  # keeps the adapter version until the last choice has started
         self.meter = meter if meter is not None else unmetered()  # the route lets go of it (streaming.py)
         self.started: list[str] = [self.ids[0]]  # engine request ids to abort when the client leaves
         self._first = start(0, self.ids[0])
@@ -79,6 +81,7 @@ class Choices:
                         self.started.append(self.ids[k])
                         tasks.append(asyncio.create_task(_pump(k, stream, queue)))
                         live += 1
+                    self._let_go()  # each started choice now holds the version itself
                 if item is _END:
                     live -= 1
                 elif isinstance(item, BaseException):
@@ -89,8 +92,13 @@ class Choices:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self._let_go()
             if self._ticket is not None:
                 self._ticket.release()
+
+    def _let_go(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
 
 
 async def _pump(index: int, stream: AsyncIterator, queue: asyncio.Queue) -> None:

@@ -130,11 +130,14 @@ def _choices(request: Request, state: ServerState, principal: Principal, target:
                 state.metrics.cold_starts.labels(tier).inc()
         run = Run(child_id, target, tier, held, state.metrics, meter, index)
         stream = state.engine.add_request(prompt, child_sampling(sampling, index), request_id=child_id,
-                                          adapter=target.key)  # fmt: skip
+                                          adapter=target.key, lease=lease)  # fmt: skip
         return state.splits.watch(target, run.outputs(stream))
 
+    lease = choices = None
     try:
-        choices = Choices(request_id, n, start, ticket if n > 1 else None, meter)
+        # n > 1: the later choices start on the version the first one got, even if its unload began meanwhile
+        lease = state.engine.lease_adapter(target.key) if n > 1 and target.key is not None else None
+        choices = Choices(request_id, n, start, ticket if n > 1 else None, meter, lease)
     except AdapterError as exc:  # unloaded between resolve and submit: as if it never existed
         ticket.release()
         if exc.reason == "AdapterNotFound":

@@ -47,12 +47,15 @@ class LoRABatchMeta:
         "tiles",
         "num_tiles",
         "_staging",
+        "_staging_np",
         "_events",
         "_flip",
         "num_tokens",
         "host_num_tiles",
         "host_max_rank",
-        "groups",
+        "_groups",
+        "_order",
+        "_bounds",
         "plans",
         "scratch",
         "sync",
@@ -79,13 +82,18 @@ class LoRABatchMeta:
         self.token_slot, self.token_order, self.tiles, self.num_tiles = self._views(self._buf)
         pin = self.device.type == "cuda"
         self._staging = [torch.zeros(n, dtype=torch.int32, pin_memory=pin) for _ in range(2 if pin else 1)]
+        # numpy views of the staging buffers: a step's fill is a few slice assignments, not torch calls
+        self._staging_np = [stage.numpy() for stage in self._staging]
         self._events: list[torch.cuda.Event | None] = [None] * len(self._staging)
         self._flip = 0
         self.num_tokens = 0
         self.host_num_tiles = 0
         self.host_max_rank = 0
-        # Host copy of the grouping for the torch path: [(slot, row indices int64 tensor)].
-        self.groups: list[tuple[int, torch.Tensor]] = []
+        # The step's grouping on the host (rows grouped by slot, and each group's [start, end) in them);
+        # ``groups`` turns it into tensors only when the torch path asks.
+        self._order = np.zeros(0, np.int32)
+        self._bounds = (np.zeros(0, np.int32), np.zeros(0, np.int64), np.zeros(0, np.int64))
+        self._groups: list[tuple[int, torch.Tensor]] | None = []
         # Launch shapes derived from this step's contents (ops.lora_apply), dropped at every build.
         self.plans: dict = {}
         # Shrink outputs of those launches, by shape: kept for the metadata's whole life (not dropped at
@@ -123,35 +131,39 @@ class LoRABatchMeta:
         num_tiles = buf[5 * c : 5 * c + 1]
         return token_slot, token_order, tiles, num_tiles
 
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """Host copy of the grouping for the torch path: [(slot, row indices int64 tensor)], in slot order."""
+        if self._groups is None:
+            order, (slots, starts, ends) = self._order, self._bounds
+            self._groups = [
+                (slot, torch.from_numpy(order[s:e].astype(np.int64)))
+                for slot, s, e in zip(slots.tolist(), starts.tolist(), ends.tolist(), strict=True)
+            ]
+        return self._groups
+
     def build(self, requests: Sequence[tuple[int, int]], ranks: Sequence[int]) -> LoRABatchMeta:
         """Fill the buffers for one step. ``ranks[slot]`` is each slot's rank (``LoRAPool.host_ranks()``);
-        a request naming a slot of rank 0 (free) is an error. Returns self."""
+        a request naming a slot of rank 0 (free) is an error. Returns self.
+
+        All numpy, no per-token or per-group Python: this runs on the host before every step's launches,
+        and with 64 distinct adapters a loop per group cost more than the step's smaller kernels."""
         slots_np, counts_np = _validate(requests, ranks, self.capacity)
         self.plans = {}
-        total = int(counts_np.sum())
         token_slot = np.repeat(slots_np, counts_np).astype(np.int32)  # [total]
-        rows = np.nonzero(token_slot >= 0)[0]
+        rows = np.flatnonzero(token_slot >= 0)
         order = rows[np.argsort(token_slot[rows], kind="stable")].astype(np.int32)  # [A] rows grouped by slot
-        grouped = token_slot[order]
-        bounds = np.flatnonzero(np.diff(grouped)) + 1 if order.size else np.zeros(0, np.int64)
-        starts = np.concatenate([[0], bounds]).astype(np.int64) if order.size else np.zeros(0, np.int64)
-        ends = (
-            np.concatenate([bounds, [order.size]]).astype(np.int64) if order.size else np.zeros(0, np.int64)
-        )
-        tiles = [
-            (int(grouped[s]), t0, min(self.tile_m, int(e) - t0))
-            for s, e in zip(starts, ends, strict=True)
-            for t0 in range(int(s), int(e), self.tile_m)
-        ]
-        self.groups = [
-            (int(grouped[s]), torch.from_numpy(order[s:e].astype(np.int64)))
-            for s, e in zip(starts, ends, strict=True)
-        ]
-        self.num_tokens, self.host_num_tiles = total, len(tiles)
-        self.host_max_rank = max((int(ranks[g[0]]) for g in self.groups), default=0)
+        grouped = token_slot[order]  # [A] slot of each grouped row
+        starts = np.flatnonzero(np.diff(grouped, prepend=-1))  # [G] first position of each slot's group
+        ends = np.append(starts[1:], order.size) if starts.size else starts  # [G]
+        tiles = _tiles(grouped, starts, ends, self.tile_m)  # [n, 3] (slot, start, count)
+        group_slots = grouped[starts]  # [G]
+        self._order, self._bounds, self._groups = order, (group_slots, starts, ends), None
+        self.num_tokens, self.host_num_tiles = int(counts_np.sum()), int(tiles.shape[0])
+        self.host_max_rank = max((int(ranks[g]) for g in group_slots.tolist()), default=0)
         if self.capture and self.host_max_rank > self.max_rank:
             raise ValueError(rank_error("requests (captured batch)", self.host_max_rank, self.max_rank))
-        self._upload(token_slot, order, np.asarray(tiles, dtype=np.int32).reshape(-1, 3))
+        self._upload(token_slot, order, tiles)
         return self
 
     def _upload(self, token_slot: np.ndarray, order: np.ndarray, tiles: np.ndarray) -> None:
@@ -159,26 +171,70 @@ class LoRABatchMeta:
         self._flip = (self._flip + 1) % len(self._staging)
         if self._events[i] is not None:
             self._events[i].synchronize()  # the copy from two steps ago; long done in practice
-        stage = self._staging[i]
-        slot_v, order_v, tiles_v, num_v = self._views(stage)
-        slot_v.fill_(-1)
-        slot_v[: token_slot.size] = torch.from_numpy(token_slot)
-        order_v[: order.size] = torch.from_numpy(order)
-        tiles_v.zero_()  # count 0 marks the unused tiles the kernels skip
-        tiles_v[: tiles.shape[0]] = torch.from_numpy(tiles)
-        num_v[0] = tiles.shape[0]
+        stage, c = self._staging_np[i], self.capacity  # the layout of _views
+        stage[:c] = -1
+        stage[: token_slot.size] = token_slot
+        stage[c : c + order.size] = order
+        stage[2 * c : 5 * c] = 0  # count 0 marks the unused tiles the kernels skip
+        stage[2 * c : 2 * c + tiles.size] = tiles.ravel()
+        stage[5 * c] = tiles.shape[0]
         if self.device.type == "cuda":
-            self._buf.copy_(stage, non_blocking=True)
+            self._buf.copy_(self._staging[i], non_blocking=True)
             ev = torch.cuda.Event()
             ev.record()
             self._events[i] = ev
         else:
-            self._buf.copy_(stage)
+            self._buf.copy_(self._staging[i])
+
+
+def _tiles(grouped: np.ndarray, starts: np.ndarray, ends: np.ndarray, tile_m: int) -> np.ndarray:
+    """int32 [n, 3] work tiles (slot, start in token_order, count <= tile_m): each group of one slot cut
+    into runs of tile_m rows."""
+    sizes = ends - starts  # [G]
+    if not (sizes > tile_m).any():  # decode: every group fits one tile
+        return np.stack([grouped[starts], starts, sizes], axis=1).astype(np.int32).reshape(-1, 3)
+    per = -(-sizes // tile_m)  # [G] tiles per group
+    first = np.repeat(starts, per)  # [n] the group's start, per tile
+    k = np.arange(int(per.sum())) - np.repeat(np.cumsum(per) - per, per)  # [n] tile index in its group
+    t0 = first + k * tile_m
+    count = np.minimum(tile_m, np.repeat(ends, per) - t0)
+    return np.stack([grouped[t0], t0, count], axis=1).astype(np.int32).reshape(-1, 3)
 
 
 def _validate(requests: Sequence[tuple[int, int]], ranks: Sequence[int], capacity: int):
+    """(slots, counts) int64 [n] each. One numpy conversion for well-formed requests; anything odd (or
+    wrong) goes through the per-request checks, which name the first bad request."""
+    pairs = _as_pairs(requests)
+    if pairs is None or not _pairs_ok(pairs, ranks):
+        pairs = _checked_pairs(requests, ranks)
+    total = int(pairs[:, 1].sum())
+    if total > capacity:
+        raise ValueError(f"requests hold {total} tokens, over the metadata capacity {capacity}")
+    return pairs[:, 0].copy(), pairs[:, 1].copy()
+
+
+def _as_pairs(requests: Sequence[tuple[int, int]]) -> np.ndarray | None:
+    """int64 [n, 2] of plain int pairs; None for anything else."""
+    try:
+        pairs = np.asarray(requests, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    if pairs.size == 0:
+        return pairs.reshape(0, 2)
+    return pairs if pairs.ndim == 2 and pairs.shape[1] == 2 else None
+
+
+def _pairs_ok(pairs: np.ndarray, ranks: Sequence[int]) -> bool:
+    if (pairs[:, 1] < 0).any():
+        return False
+    n = len(ranks)
+    # distinct slots: at most one per adapter of the step
+    return all(s == -1 or (0 <= s < n and ranks[s] > 0) for s in set(pairs[:, 0].tolist()))
+
+
+def _checked_pairs(requests: Sequence[tuple[int, int]], ranks: Sequence[int]) -> np.ndarray:
     n_slots = len(ranks)
-    slots, counts = [], []
+    pairs = []
     for i, req in enumerate(requests):
         try:
             slot, count = (int(v) for v in req)
@@ -188,9 +244,5 @@ def _validate(requests: Sequence[tuple[int, int]], ranks: Sequence[int], capacit
             raise ValueError(f"requests[{i}].num_tokens must be >= 0, got {count}")
         if slot != -1 and not (0 <= slot < n_slots and ranks[slot] > 0):
             raise ValueError(f"requests[{i}].slot {slot} is neither -1 nor an allocated adapter slot")
-        slots.append(slot)
-        counts.append(count)
-    total = sum(counts)
-    if total > capacity:
-        raise ValueError(f"requests hold {total} tokens, over the metadata capacity {capacity}")
-    return np.asarray(slots, dtype=np.int64), np.asarray(counts, dtype=np.int64)
+        pairs.append((slot, count))
+    return np.asarray(pairs, dtype=np.int64).reshape(-1, 2)

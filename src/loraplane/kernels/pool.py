@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplane.kernels.layer_stack import stack_layers, to_device
+
 __all__ = [
     "RANK_LIMIT",
     "LoRAPool",
@@ -222,13 +224,18 @@ class LoRAPool:
         self._rank: dict[int, int] = {}
         self._scale: dict[int, float] = {}
         self._starts: dict[str, torch.Tensor] = {}
+        # Per module, every layer's buffer as one view (None where they are apart): O(1) kernels per load.
+        layers = range(num_layers)
+        self._a_all = {m: stack_layers([self.a[(l, m)] for l in layers]) for m in modules}  # [L, S, R, in]
+        self._bt_all = {m: stack_layers([self.bt[(l, m)] for l in layers]) for m in modules}  # [L, R, out]
 
     def _allocate_buffers(self, rows: int, kw: dict) -> None:
-        specs = self.modules
-        self.a = {
-            (l, m): torch.zeros(specs[m].num_slices, rows, specs[m].in_dim, **kw) for l, m in self._keys()
-        }
-        self.bt = {(l, m): torch.zeros(rows, specs[m].out_total, **kw) for l, m in self._keys()}
+        # One tensor per module holds every layer (each layer's [S, R, in] / [R, out] stays contiguous).
+        L, specs = self.num_layers, self.modules
+        a = {m: torch.zeros(L, s.num_slices, rows, s.in_dim, **kw) for m, s in specs.items()}
+        bt = {m: torch.zeros(L, rows, s.out_total, **kw) for m, s in specs.items()}
+        self.a = {(l, m): a[m][l] for l, m in self._keys()}
+        self.bt = {(l, m): bt[m][l] for l, m in self._keys()}
 
     def _checked_buffers(self, buffers: tuple[dict, dict], rows: int) -> tuple[dict, dict]:
         a, bt = buffers
@@ -314,16 +321,20 @@ class LoRAPool:
         return self._starts[module]
 
     def rows_of(self, slot: int) -> torch.Tensor:
-        """Physical row of each rank-row of ``slot``: int64 [rank] on the pool's device."""
-        pages = torch.tensor(self.pages_of(slot), dtype=torch.int64)
-        j = torch.arange(self._rank[slot])
-        return (pages[j // self.page_rank] * self.page_rank + j % self.page_rank).to(self.device)
+        """Physical row of each rank-row of ``slot``: int64 [rank] on the pool's device (queued, no sync)."""
+        pages, pr = self.pages_of(slot), self.page_rank
+        return to_device(
+            [pages[j // pr] * pr + j % pr for j in range(self._rank[slot])], torch.int64, self.device
+        )
 
     # -- lifecycle --------------------------------------------------------------------------------------
-    def allocate(self, rank: int, scale: float, slot: int | None = None) -> int:
+    zero_a = False  # whether ``allocate`` zeroes A rows too (a pool whose rows held other data than LoRA)
+
+    def allocate(self, rank: int, scale: float, slot: int | None = None, *, zero: bool = True) -> int:
         """Reserve pages for an adapter of ``rank``; returns its slot (``slot`` when given: it must be
         free; pools that share one slot numbering can then share one batch metadata). Its B rows start
-        at zero, so a module never written contributes nothing."""
+        at zero, so a module never written contributes nothing; ``zero=False`` skips that for a caller that
+        writes every row of every layer (``write_layers``) before a step reads the slot."""
         if not isinstance(rank, int) or not 0 < rank <= self.max_rank:
             raise ValueError(rank_error("rank", rank, self.max_rank))
         if not math.isfinite(scale):
@@ -341,15 +352,51 @@ class LoRAPool:
             raise PoolFullError(f"slot {slot!r} is not a free slot of this pool")
         pages = self._take_pages(need)
         self._pages[slot], self._rank[slot], self._scale[slot] = pages, rank, float(scale)
-        row = torch.zeros(self.max_pages, dtype=torch.int32)
-        row[:need] = torch.tensor(pages, dtype=torch.int32)
-        self.page_table[slot].copy_(row)
-        self.ranks[slot] = rank
-        self.scales[slot] = float(scale)
-        rows = self.rows_of(slot)
-        for bt in self.bt.values():
-            bt.index_fill_(0, rows, 0)
+        # The slot's table row, rank and scale (as float32 bits) in one queued copy: no sync per load.
+        bits = torch.tensor(float(scale), dtype=torch.float32).view(torch.int32).item()
+        vals = to_device([*pages, *[0] * (self.max_pages - need), rank, bits], torch.int32, self.device)
+        self.page_table[slot].copy_(vals[: self.max_pages])
+        self.ranks[slot : slot + 1].copy_(vals[self.max_pages : -1])
+        self.scales[slot : slot + 1].copy_(vals[-1:].view(torch.float32))
+        if zero:
+            self._zero_rows(self.rows_of(slot))
         return slot
+
+    def _zero_rows(self, rows: torch.Tensor) -> None:
+        """Zero these physical rows of B (and of A when ``zero_a``) in every layer: a kernel per module."""
+        for m in self.modules:
+            for stacked, per_layer, dim in ((self._bt_all[m], self.bt, 1), (self._a_all[m], self.a, 2)):
+                if dim == 2 and not self.zero_a:
+                    continue
+                if stacked is not None:
+                    stacked.index_fill_(dim, rows, 0)
+                    continue
+                for layer in range(self.num_layers):
+                    per_layer[(layer, m)].index_fill_(dim - 1, rows, 0)
+
+    def write_layers(self, slot: int, module: str, a: torch.Tensor, bt: torch.Tensor) -> None:
+        """Store a single-slice module's factors for every layer and every rank-row of ``slot`` at once:
+        ``a`` [L, rank, in_dim], ``bt`` = B^T [L, rank, out] (any strides), both in the pool's dtype and on
+        its device. One indexed copy per factor where the layers are one view, else one per layer."""
+        self._check_slot(slot)
+        spec, rank = self.modules[module], self._rank[slot]
+        if spec.num_slices != 1:
+            raise ValueError(f"write_layers: module {module!r} has {spec.num_slices} slices; use write")
+        want_a, want_bt = (self.num_layers, rank, spec.in_dim), (self.num_layers, rank, spec.out_total)
+        if a.shape != want_a or bt.shape != want_bt:
+            raise ValueError(
+                f"write_layers: need a {list(want_a)} and bt {list(want_bt)}, got {list(a.shape)} and "
+                f"{list(bt.shape)}"
+            )
+        rows = self.rows_of(slot)  # int64 [rank]
+        a_all, bt_all = self._a_all[module], self._bt_all[module]
+        if a_all is not None and bt_all is not None:
+            a_all[:, 0].index_copy_(1, rows, a)
+            bt_all.index_copy_(1, rows, bt)
+            return
+        for layer in range(self.num_layers):
+            self.a[(layer, module)][0].index_copy_(0, rows, a[layer])
+            self.bt[(layer, module)].index_copy_(0, rows, bt[layer])
 
     def free(self, slot: int) -> None:
         """Return the adapter's pages and slot. Its data stays until the pages are reused."""

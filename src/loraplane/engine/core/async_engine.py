@@ -32,6 +32,7 @@ from loraplane.engine.api import (
     MEMORY_USES,
     AdapterError,
     AdapterInfo,
+    AdapterLease,
     EngineInfo,
     QueueStats,
     StepStats,
@@ -103,8 +104,10 @@ class AsyncEngine:
         sampling: SamplingParams | None = None,
         request_id: str | None = None,
         adapter: str | None = None,
+        lease: AdapterLease | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request; returns its stream of outputs (one per token). Bad requests raise ValueError now."""
+        """Submit a request; returns its stream of outputs (one per token). Bad requests raise ValueError now.
+        ``lease``: a live lease on ``adapter`` lets the request start on it even once its unload has begun."""
         sampling = sampling if sampling is not None else SamplingParams()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         prompt_token_ids = list(prompt_token_ids)
@@ -115,7 +118,7 @@ class AsyncEngine:
                 raise AdapterError("AdapterNotFound", f"adapter {adapter!r}: this engine serves no adapters")
             # Counted in flight from here: an unload between now and the engine thread taking the request
             # (a step's end frees unloading versions) waits for it instead of freeing its weights.
-            lora.hold(adapter)
+            lora.hold(adapter, leased=lease is not None and lease.live and lease.key == adapter)
         stream = _Stream(asyncio.get_running_loop())
         try:
             with self._cond:
@@ -132,6 +135,22 @@ class AsyncEngine:
         return self._read(request_id, stream)
 
     generate = add_request
+
+    def lease_adapter(self, key: str) -> AdapterLease:
+        """Keep ``key`` registered until the lease is released (AdapterError('AdapterNotFound') if it takes no
+        requests now): the later parts of one request start on the version its first part got."""
+        lora = self._lora("adapter")
+        lora.hold(key)
+        return AdapterLease(key, lambda: self._let_go(lora, key))
+
+    def _let_go(self, lora, key: str) -> None:
+        """A lease's end (any thread, the collector's too): count it out, and have the engine thread free the
+        version now if its unload waits on nothing else (an idle engine runs no step that would)."""
+        lora.note_request(key, -1)
+        with self._cond:
+            if not self._closed:
+                self._commands.append(_Call(lora.poll, concurrent.futures.Future()))
+                self._cond.notify()
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) ends with finish_reason 'abort'. Unknown ids are ignored."""

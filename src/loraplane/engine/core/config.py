@@ -7,6 +7,10 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "bfloat16", "float16", "float32")
 _DEVICES = ("auto", "cuda", "cpu")
+# PEFT module names an adapter may target (engine/lora/weights.py TARGET_MODULES, kept torch-free here)
+PEFT_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# lora_graph_module_sets for adapters on the attention projections: q,v-only and q,k,v,o-only steps
+ATTENTION_MODULE_SETS = (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"))
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -60,6 +64,12 @@ class EngineConfig:
     lora_merge: bool = False
     lora_merge_after_steps: int = 8
     lora_merge_stay_share: float = 0.56
+    # Extra CUDA-graph families for decode steps whose adapters use only these modules: such a step
+    # launches LoRA kernels for these modules alone, not for all seven (a q,v-only step: 2 launches a layer
+    # instead of 8). Each family costs a capture at start and its logits buffers (buckets x vocab x 4 bytes,
+    # taken from KV). () captures none (the default until the families are measured on a GPU; try
+    # ATTENTION_MODULE_SETS); tensor parallel captures none.
+    lora_graph_module_sets: tuple[tuple[str, ...], ...] = ()
     # "split": KV blocks and the adapter pools have fixed sizes. "unified": one arena per layer holds both, and
     # the share moves at run time (many adapters and short contexts: more adapters; long contexts: more KV).
     # Same total memory either way. Tensor parallel serves only "split".
@@ -166,9 +176,23 @@ class EngineConfig:
             "memory_mode",
             "'unified' is served with tensor_parallel_size 1 only (tensor parallel keeps the split)",
         )
+        self.lora_graph_module_sets = _module_sets(self.lora_graph_module_sets)
         if self.lora_pool_bytes is not None:
             _require(
                 _is_int(self.lora_pool_bytes) and self.lora_pool_bytes > 0,
                 "lora_pool_bytes",
                 f"must be a positive int or None, got {self.lora_pool_bytes!r}",
             )
+
+
+def _module_sets(value: object) -> tuple[tuple[str, ...], ...]:
+    """lora_graph_module_sets as a tuple of tuples of PEFT module names, each non-empty and known."""
+    ok = isinstance(value, list | tuple) and all(
+        isinstance(s, list | tuple) and s and all(m in PEFT_MODULES for m in s) for s in value
+    )
+    _require(
+        ok,
+        "lora_graph_module_sets",
+        f"must be a tuple of non-empty tuples of module names from {PEFT_MODULES}, got {value!r}",
+    )
+    return tuple(tuple(s) for s in value)

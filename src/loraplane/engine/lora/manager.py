@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
+from loraplane.engine.lora.load_queue import LoadQueue
 from loraplane.engine.lora.loader import AdapterLoader
 from loraplane.engine.lora.pinned import PinnedArena, take_or_evict
 from loraplane.engine.lora.safetensors_io import Reader, read_file
@@ -54,8 +55,10 @@ class AdapterTiers:
         )
         self.gpu = gpu_tier if gpu_tier is not None else GpuTier(pools, self.device)
         self.gpu.share_with_kv(self._gpu_evictable, self._reclaim_for_kv)  # unified memory: KV may evict
-        self.wanted: set[str] = set()  # requested toward the GPU and not there yet
+        self.wanted = LoadQueue()  # requested toward the GPU and not there yet, first requested first
+        self.unloading: set[str] = set()  # marked for unloading, freed by ``poll`` once nothing uses them
         self.step_keys: frozenset[str] = frozenset()
+        self.step_modules: frozenset[str] = frozenset()  # modules the last prepared step's adapters have
         self.last_step = (0, 0, 0)  # tokens, sequences, distinct adapters
         self.arena_misses = 0  # parses that found no room in the arena (benchmarks, tests)
         self.read: Reader = read_file  # how weights files are read (tests inject a slow or failing one)
@@ -123,6 +126,7 @@ class AdapterTiers:
                 )
             if old is not None:
                 old.unloading = False
+                self.unloading.discard(key)
                 old.pinned = old.pinned or pin
                 return self.info(key)
             if weights is None:
@@ -190,15 +194,18 @@ class AdapterTiers:
                 raise AdapterError("AdapterNotFound", f"adapter {name}@{version or '*'} is not loaded")
             for key in keys:
                 self.versions[key].unloading = True
+                self.unloading.add(key)
                 if self.aliases.get(name) == self.versions[key].version:
                     del self.aliases[name]
             return keys
 
-    def hold(self, key: str) -> None:
+    def hold(self, key: str, leased: bool = False) -> None:
         """Count a request in as it is submitted (any thread), in the same step as the check that ``key`` takes
-        requests: from then on an unload waits for it, even while it is still queued for the engine thread."""
+        requests: from then on an unload waits for it, even while it is still queued for the engine thread.
+        ``leased``: the caller holds an AdapterLease on ``key``, so an unloading version still takes it."""
         with self.lock:
-            self.get(key).in_flight += 1
+            v = self.versions.get(key) if leased else None
+            (v or self.get(key)).in_flight += 1
 
     def note_request(self, key: str, delta: int) -> None:
         """The async engine counts each request from submission (``hold``) to its end (queued or running)."""
@@ -311,7 +318,7 @@ class AdapterTiers:
 
     def _reclaim_for_kv(self, num_free_chunks: int, keep: frozenset) -> None:
         with self.lock:
-            self.gpu.reclaim(num_free_chunks, keep | self.wanted)
+            self.gpu.reclaim(num_free_chunks, keep | self.wanted.keys())
 
     # -- moving weights (engine thread) ------------------------------------------------------------------
     def _host_evictable(self, key: str) -> bool:
@@ -322,8 +329,19 @@ class AdapterTiers:
         v = self.versions.get(key)
         return v is None or not (v.pinned or v.refs or v.in_flight or key in self.step_keys)
 
-    def _advance(self, key: str) -> bool:
-        """One non-blocking move toward the GPU; True once it is usable there."""
+    def _requested(self, key: str) -> bool:
+        v = self.versions.get(key)
+        return v is not None and v.in_flight > 0
+
+    def _frees_up(self, key: str) -> bool:
+        """Evictable once the requests running on it end: not pinned, and no request of it still queued (an
+        adapter whose queue keeps filling may never free its rows, and nobody should wait behind that)."""
+        v = self.versions.get(key)
+        return v is None or not (v.pinned or v.in_flight > v.refs)
+
+    def _advance(self, key: str, queued: bool = True) -> bool:
+        """One non-blocking move toward the GPU; True once it is usable there. ``queued``: it takes GPU room
+        in its turn (LoadQueue); warm-ups and the step's own adapters (``ensure_resident``) do not wait."""
         v = self.versions[key]
         if self.gpu.done(key):
             self.wanted.discard(key)
@@ -349,8 +367,13 @@ class AdapterTiers:
             if v.sha256 is None:  # registered on disk: its first read fixes the bytes (hashed off this path)
                 v.sha256, v.hashing = weights.sha256, weights.hashing
             self.host.put(key, weights, self._host_evictable)
-        if not self.gpu.make_room(weights, self._gpu_evictable):
+        if queued and not self.wanted.may_take_room(key, self._requested):
             return False
+        if not self.gpu.make_room(weights, self._gpu_evictable):
+            if queued:  # waits in line only for room that the running requests' end will give
+                self.wanted.waits_for_room(key, self.gpu.make_room(weights, self._frees_up, dry_run=True))
+            return False
+        self.wanted.waits_for_room(key, False)
         start = time.perf_counter()
         self.gpu.start_copy(key, weights)
         v.timings["gpu_copy_issue"] = time.perf_counter() - start
@@ -364,12 +387,16 @@ class AdapterTiers:
                     self.wanted.discard(key)
                 else:
                     self._advance(key)
-            for key, v in list(self.versions.items()):
-                if v.unloading and not v.refs and not v.in_flight and key not in self.step_keys:
+            for key in list(self.unloading):  # not every version: poll runs before every step
+                v = self.versions.get(key)
+                if v is None or not v.unloading:
+                    self.unloading.discard(key)
+                elif not v.refs and not v.in_flight and key not in self.step_keys:
                     if self.gpu.holds(key):
                         self.gpu.evict(key)
                     self.host.drop(key)
                     self.wanted.discard(key)
+                    self.unloading.discard(key)
                     del self.versions[key]
 
     def ensure_resident(self, keys) -> None:
@@ -379,7 +406,7 @@ class AdapterTiers:
                 v = self.versions.get(key)
                 if v is None:
                     raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
-                while not self._advance(key):
+                while not self._advance(key, queued=False):
                     if v.loading is not None:
                         v.loading.exception()  # wait for the parse
                     elif self.gpu.holds(key):
@@ -414,14 +441,17 @@ class AdapterTiers:
             if kind == "graph" or keys:
                 reqs = [(self.gpu.slot_id[k] if k is not None else -1, n) for k, n in chunks]
                 meta = self._metas[kind].build(reqs, self.gpu.ranks)
+            used = {m for k in keys for m in self.gpu.slots[k]}  # modules some token of the step has
+            self.step_modules = frozenset(used)
             if kind == "graph":
                 return dict.fromkeys(self.gpu.pools, meta)
-            used = {m for k in keys for m in self.gpu.slots[k]}  # modules some token of the step has
             return {m: meta if m in used else None for m in self.gpu.pools}
 
-    def graph_metas(self) -> dict[str, LoRABatchMeta]:
-        """The fixed metadata a decode graph is captured with (every module, no tiles)."""
-        return dict.fromkeys(self.gpu.pools, self._metas["graph"].build([], self.gpu.ranks))
+    def graph_metas(self, modules=None) -> dict[str, LoRABatchMeta | None]:
+        """The fixed metadata a decode graph is captured with (no tiles), for ``modules`` (default: every
+        module); the others get None, so the graph holds no launch for them."""
+        meta = self._metas["graph"].build([], self.gpu.ranks)
+        return {m: meta if modules is None or m in modules else None for m in self.gpu.pools}
 
     def close(self) -> None:
         self.loader.close()

@@ -22,8 +22,6 @@ import torch
 from loraplane.engine.lora.weights import AdapterWeights
 from loraplane.kernels import LoRAPool
 
-MAX_RUNS = 2  # runs of consecutive pages placed by slicing; past that, by one indexed copy per layer
-
 
 class HostTier:
     def __init__(self, limit_bytes: int) -> None:
@@ -117,8 +115,11 @@ class GpuTier:
         self.slots.move_to_end(key)
 
     # -- moves --------------------------------------------------------------------------------------------
-    def make_room(self, weights: AdapterWeights, evictable: Callable[[str], bool]) -> bool:
-        """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot."""
+    def make_room(
+        self, weights: AdapterWeights, evictable: Callable[[str], bool], dry_run: bool = False
+    ) -> bool:
+        """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot.
+        ``dry_run``: only say whether it could, evicting nothing."""
         if self.fits(weights):
             return True
         victims, freed = [], {m: 0 for m in self.pools}
@@ -129,7 +130,7 @@ class GpuTier:
             for m, slot in self.slots[key].items():
                 freed[m] += self.pools[m].rank_of(slot)
             if all(self._fits_after(m, r, freed[m]) for m, r in weights.ranks.items()):
-                for victim in victims:
+                for victim in victims if not dry_run else ():
                     self.evict(victim)
                 return True
         return False
@@ -142,7 +143,8 @@ class GpuTier:
         """Allocate the version's pages in every module it has and copy its factors in (async on CUDA)."""
         start = time.perf_counter()
         gid = self._free_ids.pop()
-        slots = {m: self.pools[m].allocate(r, 1.0, slot=gid) for m, r in weights.ranks.items()}  # scale in B
+        # Scale in B; no zeroing: _write fills every row of every layer (B of layers below r_m holds zeros).
+        slots = {m: self.pools[m].allocate(r, 1.0, slot=gid, zero=False) for m, r in weights.ranks.items()}
         self.slots[key], self.slot_id[key], self.ranks[gid] = slots, gid, weights.rank
         self.bytes_of[key] = self.bytes_for(weights)
         if self.mirror is not None:  # TP hook: the workers take the same slot; this rank writes its shard
@@ -159,28 +161,13 @@ class GpuTier:
         self._pending[key] = (event, weights, start)  # keeps the pinned source alive until the copy lands
 
     def _write(self, slots: dict[str, int], weights: AdapterWeights) -> None:
-        """Per module: one host-to-device copy per factor and one transpose of B, then the rows placed into
-        the slot's pages: one multi-tensor copy over every layer per run of consecutive rows, or, once the
-        pages are scattered (a pool that has evicted), one indexed copy per layer and factor, so the engine
-        thread's work no longer grows with the number of runs (up to the rank)."""
+        """Per module: one host-to-device copy per factor, then every layer's rows placed into the slot's
+        pages by one indexed copy per factor (B^T read through a transposed view), wherever the pages are.
+        The engine thread's work per load does not grow with the layers or with scattered pages."""
         for m, slot in slots.items():
-            pool = self.pools[m]
             a = weights.a[m].to(self.device, non_blocking=True)  # [L, r_m, in]
-            bt = weights.b[m].to(self.device, non_blocking=True).transpose(1, 2).contiguous()  # [L, r_m, out]
-            layers = range(pool.num_layers)
-            runs = _row_runs(pool, slot)
-            if len(runs) > MAX_RUNS:
-                rows = pool.rows_of(slot)  # int64 [r_m]: the physical row of each rank-row
-                for i in layers:
-                    pool.a[(i, m)][0].index_copy_(0, rows, a[i])
-                    pool.bt[(i, m)].index_copy_(0, rows, bt[i])
-                continue
-            for row, src, n in runs:
-                dst = [pool.a[(i, m)][0, row : row + n] for i in layers]
-                dst += [pool.bt[(i, m)][row : row + n] for i in layers]
-                torch._foreach_copy_(
-                    dst, [a[i, src : src + n] for i in layers] + [bt[i, src : src + n] for i in layers]
-                )
+            bt = weights.b[m].to(self.device, non_blocking=True).transpose(1, 2)  # [L, r_m, out] (a view)
+            self.pools[m].write_layers(slot, m, a, bt)
 
     def wait(self, key: str) -> None:
         pending = self._pending.pop(key, None)
@@ -198,16 +185,3 @@ class GpuTier:
         self._free_ids.append(gid)
         self.bytes_of.pop(key, None)
         self.copy_s.pop(key, None)
-
-
-def _row_runs(pool: LoRAPool, slot: int) -> list[tuple[int, int, int]]:
-    """(first physical row, first rank-row, length) of each run of consecutive rows ``slot`` owns."""
-    pages, pr = pool.pages_of(slot), pool.page_rank
-    rows = [pages[j // pr] * pr + j % pr for j in range(pool.rank_of(slot))]
-    runs: list[list[int]] = []
-    for j, row in enumerate(rows):
-        if runs and runs[-1][0] + runs[-1][2] == row:
-            runs[-1][2] += 1
-        else:
-            runs.append([row, j, 1])
-    return [tuple(r) for r in runs]

@@ -43,6 +43,8 @@ def chunk_blocks_for(cfg: ModelConfig, block_size: int) -> int:
 class ArenaPool(LoRAPool):
     """A one-module pool whose rows are views over the arenas and come from the unified memory."""
 
+    zero_a = True  # its rows held KV or another module's adapter: a zeroed row is zeroed in A too
+
     def __init__(self, module: str, spec: ModuleSpec, arenas: list[torch.Tensor], memory: UnifiedMemory,
                  max_rank: int) -> None:  # fmt: skip
         width = spec.in_dim + spec.out_total
@@ -64,14 +66,6 @@ class ArenaPool(LoRAPool):
 
     def can_allocate(self, rank: int) -> bool:
         return bool(self._free_slots) and self.memory.fits({self.width: rank})
-
-    def allocate(self, rank: int, scale: float, slot: int | None = None) -> int:
-        slot = super().allocate(rank, scale, slot)
-        # The rows held KV or another adapter: A rows are zeroed too, so no stale value is ever multiplied.
-        rows = self.rows_of(slot)
-        for a in self.a.values():
-            a[0].index_fill_(0, rows, 0)
-        return slot
 
     def _take_pages(self, need: int) -> list[int]:
         rows = self.memory.take_rows(self.width, need)
@@ -131,8 +125,9 @@ class UnifiedGpuTier(GpuTier):
         self._held.pop(key, None)
         super().evict(key)
 
-    def make_room(self, weights: AdapterWeights, evictable) -> bool:
-        """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot."""
+    def make_room(self, weights: AdapterWeights, evictable, dry_run: bool = False) -> bool:
+        """Evict LRU evictable versions until ``weights`` fits; False (nothing evicted) when it cannot.
+        ``dry_run``: only say whether it could, evicting nothing."""
         if self.fits(weights):
             return True
         needs, victims, plan = self.needs(weights), [], self.memory.plan()
@@ -143,7 +138,7 @@ class UnifiedGpuTier(GpuTier):
             for (width, chunk), count in self._chunks_of(key).items():
                 plan.release_in(width, chunk, count)
             if plan.fits(needs):
-                for victim in victims:
+                for victim in victims if not dry_run else ():
                     self.evict(victim)
                 return True
         return False
@@ -164,7 +159,9 @@ def build_unified(cfg: ModelConfig, num_blocks: int, block_size: int, max_rank: 
     if num_blocks % chunk:
         raise ValueError(f"num_blocks {num_blocks} is not a multiple of the chunk size {chunk}")
     shape = (2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    arenas = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+    # One tensor for every layer's arena: each pool's rows are then one strided view across the layers, so
+    # an adapter's rows are zeroed or placed in every layer by one kernel (LoRAPool.write_layers).
+    arenas = list(torch.zeros((cfg.num_layers, *shape), dtype=dtype, device=device).unbind(0))
     block_elems = block_size * cfg.num_kv_heads * cfg.head_dim
     shapes = module_shapes(cfg)
     widths = [i + o for i, o in shapes.values()] if with_adapters else []

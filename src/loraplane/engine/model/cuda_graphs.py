@@ -4,16 +4,19 @@ A decode step of B sequences is padded to the smallest captured bucket >= B: pad
 (no KV write) and context length 0 (the decode kernel writes zeros), so they cost a few idle programs.
 All graphs share one memory pool and one set of static input buffers, captured largest first.
 
-With adapters the runner keeps up to three families of such graphs and ``graph_family`` picks one per
+With adapters the runner keeps several families of such graphs and ``graph_family`` picks one per
 step: 'base' (captured without any LoRA launch: no token has an adapter), 'merged' (the base kernels on
-the merged weights, engine/lora/merge.py: every token has the merged adapter) and 'lora' (every module's
-LoRA launches over fixed metadata buffers: serves any step).
+the merged weights, engine/lora/merge.py: every token has the merged adapter) and 'lora' (LoRA launches
+over fixed metadata buffers). The 'lora' family is captured once with every module's launches (it serves
+any step) and once more per configured module set (``EngineConfig.lora_graph_module_sets``) with only
+those modules' launches; ``lora_module_family`` picks the smallest one that covers the modules the
+step's adapters have, so a step of q,v-only adapters launches nothing for o, gate, up and down.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
@@ -23,8 +26,11 @@ from loraplane.engine.model.model import CausalLM
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, batch_sizes: tuple[int, ...], max_blocks_per_seq: int,
-                 device: torch.device) -> None:  # fmt: skip
+                 device: torch.device, pool=None) -> None:  # fmt: skip
+        """``pool``: a graph memory pool shared with another family (families never replay at once, so
+        their temporaries may overlap); None: a pool of its own."""
         self.model = model
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.batch_sizes = tuple(sorted(batch_sizes))
         n = self.batch_sizes[-1]
         # static inputs, [max bucket] each; block tables [max bucket, max blocks per sequence]
@@ -35,6 +41,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # [bucket, V] fp32 static outputs
+        self.replays = 0  # steps served (which family served how many steps: benchmarks, tests)
         self._capture_all()
 
     @property
@@ -53,7 +60,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        pool = self.pool
         for bs in reversed(self.batch_sizes):
             self._run_model(bs)  # warm-up: compiles the Triton kernels and sets up cuBLAS outside capture
             torch.cuda.synchronize()
@@ -80,6 +87,7 @@ class DecodeGraphs:
             self.slot_mapping[B:bs].fill_(-1)
             self.seq_lens[B:bs].zero_()
         self.graphs[bs].replay()
+        self.replays += 1
         return self.logits[bs][:B]
 
 
@@ -94,3 +102,31 @@ def graph_family(adapters: Sequence[str | None], merged: bool, captured: Collect
     else:
         family = "lora"
     return family if family in captured else "lora"
+
+
+def lora_module_family(used: Collection[str], families: Collection[frozenset[str]]) -> frozenset[str] | None:
+    """The captured module set with the fewest modules that holds every module in ``used`` (the modules
+    the step's adapters have); None when none does (the all-module graphs then serve the step)."""
+    fits = [f for f in families if f.issuperset(used)]
+    return min(fits, key=lambda f: (len(f), sorted(f)), default=None)
+
+
+def capture_lora_families(model: CausalLM, sizes: tuple[int, ...], max_blocks_per_seq: int,
+                          device: torch.device, state, graph_metas: Callable, module_sets) -> tuple:  # fmt: skip
+    """The LoRA decode graphs: (the all-module family, {module set: its family}), all in one memory pool.
+
+    ``state``: the LoRAStepState the wrapped layers read while they are captured; ``graph_metas(modules)``:
+    the fixed metadata per module (None: no launch) for a module set, or for every module given None;
+    ``module_sets``: EngineConfig.lora_graph_module_sets (sets equal to all modules are skipped)."""
+
+    def family(modules: frozenset[str] | None, pool) -> DecodeGraphs:
+        state.metas = graph_metas(modules)
+        try:
+            return DecodeGraphs(model, sizes, max_blocks_per_seq, device, pool=pool)
+        finally:
+            state.metas = dict.fromkeys(state.pools)
+
+    every = frozenset(state.pools)
+    sets = {frozenset(s) & every for s in module_sets} - {every, frozenset()}
+    full = family(None, None)
+    return full, {s: family(s, full.pool) for s in sorted(sets, key=lambda s: (len(s), sorted(s)))}

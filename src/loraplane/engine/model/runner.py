@@ -7,6 +7,7 @@ through ``AttentionMetadata``. Decode-only steps replay a CUDA graph when one fi
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -21,7 +22,12 @@ from loraplane.engine.lora.merge import AdapterMerger, MergePolicy
 from loraplane.engine.lora.residency import NullResidency
 from loraplane.engine.memory.layout import memory_layout
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan, paged_decode
-from loraplane.engine.model.cuda_graphs import DecodeGraphs, graph_family
+from loraplane.engine.model.cuda_graphs import (
+    DecodeGraphs,
+    capture_lora_families,
+    graph_family,
+    lora_module_family,
+)
 from loraplane.engine.model.model import CausalLM
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.engine.model.sampler import sample
@@ -126,6 +132,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.base_graphs: DecodeGraphs | None = None
         self.merged_graphs: DecodeGraphs | None = None
+        self.module_graphs: dict[frozenset[str], DecodeGraphs] | None = None  # LoRA graphs of module sets
         if self.device.type == "cuda":
             self._compile_step_kernels()
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -164,8 +171,9 @@ class ModelRunner:
         self.residency = self.lora
 
     def _capture_graphs(self, sizes: tuple[int, ...]) -> None:
-        """Decode graphs; with adapters, two sets: base-only steps replay graphs without LoRA launches,
-        steps with an adapter replay graphs holding every module's launches on fixed metadata buffers."""
+        """Decode graphs; with adapters, several families: base-only steps replay graphs without LoRA
+        launches, merged steps the base kernels on the merged weights, steps with adapters graphs holding
+        the LoRA launches of the modules they use (cuda_graphs.py)."""
         self.base_graphs: DecodeGraphs | None = None
         if self.lora is None:
             self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
@@ -177,11 +185,34 @@ class ModelRunner:
                 self.merged_graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
             finally:
                 self.lora_state.merged = False
-        self.lora_state.metas = self.lora.graph_metas()
-        try:
-            self.graphs = DecodeGraphs(self.model, sizes, self.max_blocks_per_seq, self.device)
-        finally:
-            self.lora_state.metas = dict.fromkeys(self.lora_state.pools)
+        self.capture_lora_graphs(sizes)
+
+    def capture_lora_graphs(self, sizes: tuple[int, ...]) -> None:
+        """The graphs of steps with adapters (under the current capture policy): the all-module family and
+        one per configured module set; none of the latter under tensor parallel (the workers replay the
+        all-module family)."""
+        self.graphs = self.module_graphs = None
+        gc.collect()  # the graphs of an earlier capture give their memory back first
+        torch.cuda.empty_cache()
+        sets = [] if self.tp is not None else self.config.lora_graph_module_sets
+        self.graphs, self.module_graphs = capture_lora_families(
+            self.model,
+            sizes,
+            self.max_blocks_per_seq,
+            self.device,
+            self.lora_state,
+            self.lora.graph_metas,
+            sets,
+        )
+
+    def _lora_graphs(self) -> DecodeGraphs:
+        """The LoRA family for the step just prepared: the smallest captured module set that covers the
+        modules its adapters have, else the all-module graphs."""
+        if self.module_graphs:
+            modules = lora_module_family(self.lora.step_modules, self.module_graphs)
+            if modules is not None:
+                return self.module_graphs[modules]
+        return self.graphs
 
     def _set_lora_step(self, batch, kind: str) -> None:
         if self.lora is not None:
@@ -243,13 +274,23 @@ class ModelRunner:
             return max(1, min(self.config.cpu_kv_cache_bytes // self.kv_block_bytes, enough))
         self._profile_forward()
         used = torch.cuda.max_memory_allocated() - self._allocated_before  # weights + peak activations
-        budget = int(free_before * self.config.gpu_memory_utilization) - used - _GRAPH_RESERVE_BYTES
+        budget = int(free_before * self.config.gpu_memory_utilization) - used - self._graph_reserve_bytes()
         if budget < self.kv_block_bytes * self.max_blocks_per_seq:
             raise ValueError(
                 f"EngineConfig.gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves "
                 f"{budget / 2**30:.2f} GiB for KV, less than one sequence of max_model_len={self.max_model_len}"
             )
         return budget // self.kv_block_bytes
+
+    def _graph_reserve_bytes(self) -> int:
+        """What graphs and workspaces take outside the profile: a fixed reserve, plus each extra LoRA
+        family's logits buffers (fp32, every bucket)."""
+        cfg = self.config
+        if cfg.enforce_eager or not cfg.enable_lora or self.tp is not None:
+            return _GRAPH_RESERVE_BYTES
+        rows = sum(s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs)
+        families = len({frozenset(s) for s in cfg.lora_graph_module_sets})
+        return _GRAPH_RESERVE_BYTES + families * rows * self.vocab_size * 4
 
     @torch.inference_mode()
     def _profile_forward(self) -> None:
@@ -368,7 +409,7 @@ class ModelRunner:
             if family == "lora":
                 self._set_lora_step(batch, "graph")
                 self._tp_send(inp, batch, "graph")
-                graphs = self.graphs
+                graphs = self._lora_graphs()
             else:  # no LoRA launch in the step
                 self.lora.poll()  # loads for waiting requests keep moving
                 self._tp_send(inp, batch, None)

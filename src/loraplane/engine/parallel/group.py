@@ -83,7 +83,7 @@ def release_graphs(runner, wait: bool = True) -> None:
     """Drop ``runner``'s CUDA graphs (and, with ``wait``, wait for the device). NCCL's destroy waits until
     every graph that captured one of its collectives is gone (the graphs hold references on the
     communicator), so a rank must do this before ``destroy_group``; the runner steps eagerly afterwards."""
-    runner.graphs = runner.base_graphs = None
+    runner.graphs = runner.base_graphs = runner.module_graphs = None
     gc.collect()
     if wait and runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# On a CUDA machine (repo root; loraplane need not be installed): the churn trace through `loraplane serve`
+# (bench/churn/server.py --gpu), base-only server then the LoRA server on the same trace.
+#   OUT=DIR [WHEELS=DIR] bash bench/churn/device_server.sh [server.py args...]
+#   WHEELS=DIR installs the server's packages (bench/churn/server-wheels.txt) from wheels into /tmp/site
+#   first, for an image without them and without a package index.
+set -o pipefail
+source scripts/device_env.sh
+O="${OUT:-$PWD/bench/churn/results}"
+mkdir -p "$O"
+export PYTHONUNBUFFERED=1
+if [ -n "$WHEELS" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl || exit 1
+  export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+python3 -c 'import fastapi, uvicorn, pydantic, boto3, loraplane.http.app' || exit 1
+python3 bench/churn/server.py --gpu --out "$O" "$@" 2>&1 | tee "$O/churn-server.log" | grep -v '^|'
