@@ -68,6 +68,20 @@ async def test_snapshots_are_shared_until_they_age_or_are_dropped():
     assert await snaps.get("pod", 0.0, take) == 3  # max_age 0: always fresh
 
 
+async def test_snapshots_of_pods_that_are_gone_are_dropped_once_stale():
+    snaps: Snapshots[str, str] = Snapshots(stale_after=0.05)
+
+    async def listing() -> str:
+        return "listing"
+
+    for pod in ("pod-a", "pod-b", "pod-c"):  # replaced one after another: each asked once, then never again
+        await snaps.get(pod, 0.01, listing)
+        await asyncio.sleep(0.03)
+    await asyncio.sleep(0.06)
+    await snaps.get("pod-d", 0.01, listing)  # any new listing sweeps out the stale ones
+    assert list(snaps._taken) == ["pod-d"]
+
+
 def test_memo_builds_once_and_fingerprints_report_changes_once():
     memo: Memo[str, object] = Memo()
     first = memo.get("k", object)

@@ -5,8 +5,9 @@ metadata in fixed device buffers) and ``lora_apply`` (y += scale * x @ A^T @ B^T
 """
 
 from loraplane.kernels.metadata import LoRABatchMeta
+from loraplane.kernels.module_spec import RANK_LIMIT, ModuleSpec, rank_error
 from loraplane.kernels.ops import lora_apply, lora_apply_many, lora_expand, lora_shrink
-from loraplane.kernels.pool import RANK_LIMIT, LoRAPool, ModuleSpec, PoolFullError, lora_scale, rank_error
+from loraplane.kernels.pool import LoRAPool, PoolFullError, lora_scale
 
 __all__ = [
     "RANK_LIMIT",

@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from loraplane.kernels.pool import check_max_rank, rank_error, resolve_device
+from loraplane.kernels.module_spec import check_max_rank, rank_error
+from loraplane.kernels.pool import resolve_device
 
 __all__ = ["LoRABatchMeta"]
 

@@ -31,7 +31,8 @@ from loraplane.kernels.fast_launch import FastLaunch
 from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least, slice_geometry
 from loraplane.kernels.metadata import LoRABatchMeta
 from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows
-from loraplane.kernels.triton_ops import _precision, _shrink_tile
+from loraplane.kernels.triton_kernels import _shrink_tile
+from loraplane.kernels.triton_ops import _precision
 
 __all__ = ["FUSED_SYNC", "fused_args", "fused_launch", "fused_members"]
 
@@ -45,7 +46,7 @@ def _fused_expand_chunk(
     P: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr, N_CHUNK: tl.constexpr, RAGGED: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    # As triton_ops._expand_tile, with v summed over the P members' planes, read through L2 (.cg): the
+    # As triton_kernels._expand_tile, with v summed over the P members' planes, read through L2 (.cg): the
     # planes were written by other programs of this launch, so L1 could hold stale lines.
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)

@@ -1,4 +1,4 @@
-"""Small Triton device functions shared by the shrink and expand kernels (triton_ops.py)."""
+"""Small Triton device functions shared by the shrink and expand kernels (triton_kernels.py)."""
 
 from __future__ import annotations
 

@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
+STALE_AFTER = 300.0  # seconds after which a pod's listing is dropped from Snapshots
 MAX_ENTRIES = 4096  # far above what one namespace holds; a bound so a churn of names cannot grow memory
 
 
@@ -115,15 +116,31 @@ class Snapshots(Generic[K, V]):
 
     max_entries: int = MAX_ENTRIES
     _taken: dict[K, tuple[float, asyncio.Future]] = field(default_factory=dict)
+    stale_after: float = STALE_AFTER
+    _swept: float = float("-inf")
 
     async def get(self, key: K, max_age: float, take: Callable[[], Awaitable[V]]) -> V:
         now = asyncio.get_running_loop().time()
         taken = self._taken.get(key)
         if taken is None or now - taken[0] >= max_age:
+            self._drop_stale(now)
             if len(self._taken) > self.max_entries:
                 self._taken.clear()
             taken = self._taken[key] = (now, asyncio.ensure_future(take()))
         return await asyncio.shield(taken[1])
+
+    def _drop_stale(self, now: float) -> None:
+        """Listings older than ``stale_after`` are never served again (every caller asks for a few seconds' age):
+        drop them, so a pod that is gone (a new name and address each time one is replaced) leaves nothing."""
+        if now - self._swept < self.stale_after / 5:
+            return
+        self._swept = now
+        for key in [
+            k
+            for k, (when, listing) in self._taken.items()
+            if now - when > self.stale_after and listing.done()
+        ]:
+            del self._taken[key]
 
     def drop(self, key: K) -> None:
         self._taken.pop(key, None)

@@ -10,23 +10,20 @@ blocks. A request that fails on its own (refused on the engine thread, or failin
 its stream alone (RequestError for a failure inside a step) while the others go on. If the loop dies (a device
 fault), every open stream raises EngineDeadError instead of hanging.
 
-Adapter management (load, warm, alias, pin, unload) goes through the same command queue when it touches the
-device, so only the engine thread ever does; the HTTP side sees ``info()``, ``adapters()`` and the types of
-api.py, never the engine's internals.
+Adapter management (load, warm, alias, pin, unload; ``AdapterCommands`` in adapter_commands.py) goes
+through the same command queue when it touches the device, so only the engine thread ever does; the HTTP
+side sees ``info()``, ``adapters()`` and the types of api.py, never the engine's internals.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import threading
 import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any
 
 from loraplane.engine.api import (
     MEMORY_USES,
@@ -36,8 +33,8 @@ from loraplane.engine.api import (
     EngineInfo,
     QueueStats,
     StepStats,
-    adapter_key,
 )
+from loraplane.engine.core.adapter_commands import AdapterCommands, _Call, _run_call
 from loraplane.engine.core.config import EngineConfig
 from loraplane.engine.core.errors import EngineDeadError, RequestError
 from loraplane.engine.core.llm_engine import LLMEngine, RequestOutput
@@ -66,15 +63,7 @@ class _Add:
     adapter: str | None
 
 
-@dataclass(slots=True)
-class _Call:
-    """A function to run on the engine thread (adapter management); its result goes to ``future``."""
-
-    fn: Callable[[], Any]
-    future: concurrent.futures.Future
-
-
-class AsyncEngine:
+class AsyncEngine(AdapterCommands):
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._cond = threading.Condition()
@@ -135,22 +124,6 @@ class AsyncEngine:
         return self._read(request_id, stream)
 
     generate = add_request
-
-    def lease_adapter(self, key: str) -> AdapterLease:
-        """Keep ``key`` registered until the lease is released (AdapterError('AdapterNotFound') if it takes no
-        requests now): the later parts of one request start on the version its first part got."""
-        lora = self._lora("adapter")
-        lora.hold(key)
-        return AdapterLease(key, lambda: self._let_go(lora, key))
-
-    def _let_go(self, lora, key: str) -> None:
-        """A lease's end (any thread, the collector's too): count it out, and have the engine thread free the
-        version now if its unload waits on nothing else (an idle engine runs no step that would)."""
-        lora.note_request(key, -1)
-        with self._cond:
-            if not self._closed:
-                self._commands.append(_Call(lora.poll, concurrent.futures.Future()))
-                self._cond.notify()
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its stream (if still read) ends with finish_reason 'abort'. Unknown ids are ignored."""
@@ -220,84 +193,9 @@ class AsyncEngine:
         lora = self._lora(None)
         return None if lora is None else lora.tier_of(adapter_key_)
 
-    async def load_adapter(self, name: str, version: str, folder: Path, digest: str, *, pin: bool = False,
-                           expected_base_hash: str | None = None, on_disk: bool = False) -> AdapterInfo:  # fmt: skip
-        """Parse and validate a verified PEFT folder into the host tier (AdapterError on refusal).
-        ``on_disk``: register it from its config and header alone; it loads when a request needs it.
-        Idempotent per name@version and digest; another digest under the same name@version is a conflict."""
-        lora = self._lora("adapter")
-        base = self.engine.runner.base_hash
-        if expected_base_hash is not None and expected_base_hash != base:
-            raise AdapterError(
-                "BaseMismatch",
-                f"{name}@{version}: built for base {expected_base_hash}, this engine serves {base}",
-            )
-        registered = lora.is_registered(adapter_key(name, version))
-        if not registered and on_disk:
-            return await asyncio.to_thread(
-                lora.register_on_disk, name, version, Path(folder), digest, pin=pin
-            )
-        if not registered:
-            start = time.perf_counter()
-            weights = await asyncio.to_thread(lora.parse, Path(folder))
-            await asyncio.to_thread(weights.digest)  # its hash may still run: never wait on the event loop
-            return lora.register(name, version, Path(folder), digest, weights, pin=pin,
-                                 load_s=time.perf_counter() - start)  # fmt: skip
-        return lora.register(name, version, Path(folder), digest, None, pin=pin)
-
-    async def warm_adapter(self, name: str, version: str, *, gpu: bool = True,
-                           only_if_room: bool = False) -> AdapterInfo:  # fmt: skip
-        """Make it GPU-resident and run one real forward through it (finite logits, else WarmFailed).
-        ``only_if_room``: skip it (it stays on its tier, loaded on demand) unless the pools have free room."""
-        lora, key = self._lora("adapter"), adapter_key(name, version)
-        lora.get(key)
-
-        def warm() -> AdapterInfo:
-            if gpu and not (only_if_room and not lora.has_room_for(key)):
-                return self.engine.warm_adapter(key)
-            lora.get(key)  # AdapterNotFound once it is unloading
-            return lora.info(key)
-
-        return await self._on_engine_thread(warm)
-
-    async def set_alias(self, name: str, version: str) -> None:
-        """Route ``name`` to ``version`` in one step; requests already admitted keep the version they have."""
-        self._lora("adapter").set_alias(name, version)
-
-    async def unload_adapter(self, name: str, version: str | None = None) -> list[str]:
-        """Stop taking requests for the version(s) now; weights are freed once in-flight requests finish."""
-        lora = self._lora("adapter")
-        keys = lora.mark_unloading(name, version)
-        await self._on_engine_thread(lora.poll)
-        return keys
-
-    async def pin_adapter(self, name: str, version: str, pinned: bool) -> AdapterInfo:
-        return self._lora("adapter").set_pinned(adapter_key(name, version), pinned)
-
     def add_step_listener(self, fn: Callable[[StepStats], None]) -> None:
         """``fn(StepStats)`` after every step, on the engine thread (keep it short; errors are dropped)."""
         self._step_listeners.append(fn)
-
-    def _lora(self, need: str | None):
-        lora = self.engine.adapters
-        if lora is None and need is not None:
-            raise AdapterError(
-                "UnsupportedAdapter", f"{need}: this engine serves no adapters (EngineConfig.enable_lora)"
-            )
-        return lora
-
-    def _on_engine_thread(self, fn: Callable[[], Any]):
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._cond:
-            self._raise_if_dead()
-            self._commands.append(_Call(fn, future))
-            self._cond.notify()
-        return asyncio.wrap_future(future)
-
-    def _note_request(self, key: str, delta: int) -> None:
-        lora = self._lora(None)
-        if lora is not None:
-            lora.note_request(key, delta)
 
     def _after_step(self) -> None:
         lora = self._lora(None)
@@ -456,15 +354,6 @@ class AsyncEngine:
 def _full_rank_slots(pools) -> int:
     """Adapters of the largest rank the GPU pools hold at once (more fit when ranks are lower)."""
     return min(min(p.max_adapters, p.num_pages // p.max_pages) for p in pools.values())
-
-
-def _run_call(call: _Call) -> None:
-    if not call.future.set_running_or_notify_cancel():
-        return
-    try:
-        call.future.set_result(call.fn())
-    except Exception as error:  # noqa: BLE001 - an admin command's failure belongs to its caller
-        call.future.set_exception(error)
 
 
 def _put_all(items: list[tuple[_Stream, RequestOutput | _Failed | BaseException]]) -> None:

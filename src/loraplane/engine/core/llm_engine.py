@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loraplane.engine.api import AdapterError, AdapterInfo
 from loraplane.engine.core.block_manager import BlockManager
 from loraplane.engine.core.config import EngineConfig
 from loraplane.engine.core.errors import EngineFault, is_device_fault
+from loraplane.engine.core.outputs import EngineStats, RequestOutput
 from loraplane.engine.core.runner import Runner, SampledToken
 from loraplane.engine.core.scheduler import ScheduledBatch, Scheduler
 from loraplane.engine.core.sequence import SamplingParams, Sequence, validate_prompt
 from loraplane.engine.model.detokenizer import IncrementalDetokenizer, TokenizerLike
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
 # A step in which every request failed hints at a broken engine rather than bad requests; this many in a row
 # stop the engine (its liveness then fails and the pod restarts).
 MAX_ALL_FAILED_STEPS = 3
@@ -32,38 +31,6 @@ if TYPE_CHECKING:
     from loraplane.engine.lora.manager import AdapterTiers
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str  # the text delta since the previous output ("" without a tokenizer)
-    finished: bool
-    finish_reason: str | None  # 'stop' | 'length' | 'abort' | 'error' once finished
-    num_prompt_tokens: int
-    num_output_tokens: int  # so far, including new_token_ids
-    # Parallel to new_token_ids: {token_id: logprob} with the sampled token and the requested top ones.
-    logprobs: list[dict[int, float]] | None = None
-    error: str | None = None  # why the request failed (finish_reason 'error'); the engine goes on
-    # finish_reason 'stop': the token id (end of sequence or stop_token_ids) or the stop string that ended it.
-    # A stop token is the last of new_token_ids; its text is never part of the output.
-    stop_reason: int | str | None = None
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_free_kv_blocks: int
-    num_kv_blocks: int
-    num_preemptions: int  # since start
-    num_cached_kv_blocks: int = 0  # full blocks held for prefix reuse (in use or free)
-    prefix_cache_queried_tokens: int = 0  # since start: prompt tokens looked up at admission
-    prefix_cache_hit_tokens: int = 0  # of those, found cached
-    # memory_mode "unified": chunks and bytes as KV, as adapters and free, row fragmentation (None: split).
-    # num_free_kv_blocks then counts the blocks KV can take without evicting anything.
-    unified_memory: dict | None = None
 
 
 def _build_runner(config: EngineConfig) -> Runner:

@@ -15,7 +15,6 @@ everything that touches the device (``poll``, ``prepare_step``, eviction, copies
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from loraplane.engine.lora.load_queue import LoadQueue
 from loraplane.engine.lora.loader import AdapterLoader
 from loraplane.engine.lora.pinned import PinnedArena, take_or_evict
 from loraplane.engine.lora.safetensors_io import Reader, read_file
+from loraplane.engine.lora.tier_moves import TierMoves
 from loraplane.engine.lora.tiers import GpuTier, HostTier
 from loraplane.engine.lora.version import AdapterVersion, known_sha256
 from loraplane.engine.lora.weights import AdapterWeights, header_ranks, load_adapter_weights
@@ -35,7 +35,7 @@ from loraplane.kernels import LoRABatchMeta, LoRAPool
 ARENA_WAIT_S = 0.5  # how long a parse waits for copies in flight to give arena blocks back
 
 
-class AdapterTiers:
+class AdapterTiers(TierMoves):
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
                  host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
                  graph_batch_size: int = 0, gpu_tier: GpuTier | None = None,
@@ -319,103 +319,6 @@ class AdapterTiers:
     def _reclaim_for_kv(self, num_free_chunks: int, keep: frozenset) -> None:
         with self.lock:
             self.gpu.reclaim(num_free_chunks, keep | self.wanted.keys())
-
-    # -- moving weights (engine thread) ------------------------------------------------------------------
-    def _host_evictable(self, key: str) -> bool:
-        v = self.versions.get(key)
-        return v is None or not (v.pinned or v.refs or v.in_flight or key in self.wanted)
-
-    def _gpu_evictable(self, key: str) -> bool:
-        v = self.versions.get(key)
-        return v is None or not (v.pinned or v.refs or v.in_flight or key in self.step_keys)
-
-    def _requested(self, key: str) -> bool:
-        v = self.versions.get(key)
-        return v is not None and v.in_flight > 0
-
-    def _frees_up(self, key: str) -> bool:
-        """Evictable once the requests running on it end: not pinned, and no request of it still queued (an
-        adapter whose queue keeps filling may never free its rows, and nobody should wait behind that)."""
-        v = self.versions.get(key)
-        return v is None or not (v.pinned or v.in_flight > v.refs)
-
-    def _advance(self, key: str, queued: bool = True) -> bool:
-        """One non-blocking move toward the GPU; True once it is usable there. ``queued``: it takes GPU room
-        in its turn (LoadQueue); warm-ups and the step's own adapters (``ensure_resident``) do not wait."""
-        v = self.versions[key]
-        if self.gpu.done(key):
-            self.wanted.discard(key)
-            if key in self.gpu.copy_s:
-                v.timings["gpu_copy"] = self.gpu.copy_s.pop(key)
-            return True
-        if self.gpu.holds(key) or v.state == "failed":
-            return False  # copy in flight, or it cannot be loaded again
-        weights = self.host.get(key)
-        if weights is None:
-            if v.loading is None:
-                v.loading = self.loader.submit(key, v.folder, known_sha256(v))
-            if not v.loading.done():
-                return False
-            future, v.loading = v.loading, None
-            try:
-                weights = future.result()
-            except Exception as error:  # noqa: BLE001 - the folder changed or vanished under us
-                reason = error.reason if isinstance(error, AdapterError) else "BadAdapterFile"
-                v.state, v.error, v.error_reason = "failed", f"{reason}: {error}", reason
-                return False
-            v.timings.update({f"disk_{k}": t for k, t in weights.timings.items()})
-            if v.sha256 is None:  # registered on disk: its first read fixes the bytes (hashed off this path)
-                v.sha256, v.hashing = weights.sha256, weights.hashing
-            self.host.put(key, weights, self._host_evictable)
-        if queued and not self.wanted.may_take_room(key, self._requested):
-            return False
-        if not self.gpu.make_room(weights, self._gpu_evictable):
-            if queued:  # waits in line only for room that the running requests' end will give
-                self.wanted.waits_for_room(key, self.gpu.make_room(weights, self._frees_up, dry_run=True))
-            return False
-        self.wanted.waits_for_room(key, False)
-        start = time.perf_counter()
-        self.gpu.start_copy(key, weights)
-        v.timings["gpu_copy_issue"] = time.perf_counter() - start
-        return self.gpu.done(key)
-
-    def poll(self) -> None:
-        """Advance every pending load and free unloaded versions nothing uses any more."""
-        with self.lock:
-            for key in list(self.wanted):
-                if key not in self.versions:
-                    self.wanted.discard(key)
-                else:
-                    self._advance(key)
-            for key in list(self.unloading):  # not every version: poll runs before every step
-                v = self.versions.get(key)
-                if v is None or not v.unloading:
-                    self.unloading.discard(key)
-                elif not v.refs and not v.in_flight and key not in self.step_keys:
-                    if self.gpu.holds(key):
-                        self.gpu.evict(key)
-                    self.host.drop(key)
-                    self.wanted.discard(key)
-                    self.unloading.discard(key)
-                    del self.versions[key]
-
-    def ensure_resident(self, keys) -> None:
-        """Block until every key is usable on the GPU (warm-up, and steps the scheduler did not gate)."""
-        with self.lock:
-            for key in keys:
-                v = self.versions.get(key)
-                if v is None:
-                    raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
-                while not self._advance(key, queued=False):
-                    if v.loading is not None:
-                        v.loading.exception()  # wait for the parse
-                    elif self.gpu.holds(key):
-                        self.gpu.wait(key)
-                    else:
-                        raise AdapterError(
-                            "AdapterInUse" if v.state != "failed" else "WarmFailed",
-                            f"adapter {key!r} cannot be made GPU-resident: {v.error or 'the pool is held by others'}",
-                        )
 
     # -- one step's metadata (engine thread) -------------------------------------------------------------
     def prepare_step(

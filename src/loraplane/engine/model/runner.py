@@ -1,8 +1,7 @@
 """The only owner of the device: loads the model, holds the paged KV cache, runs one scheduled step.
 
-Per step the runner flattens the scheduled chunks into one token batch and builds every index tensor
-once (token ids, positions, KV slots, block tables, context lengths, rows to score); layers share them
-through ``AttentionMetadata``. Decode-only steps replay a CUDA graph when one fits.
+Per step the runner flattens the scheduled chunks into one token batch (``step_inputs.prepare_step``);
+decode-only steps replay a CUDA graph when one fits. The KV cache is sized by ``kv_budget``.
 """
 
 from __future__ import annotations
@@ -28,14 +27,15 @@ from loraplane.engine.model.cuda_graphs import (
     graph_family,
     lora_module_family,
 )
+from loraplane.engine.model.kv_budget import free_device_memory, num_split_kv_blocks
 from loraplane.engine.model.model import CausalLM
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.engine.model.sampler import sample
 from loraplane.engine.model.sampling_batch import SamplingBatch
+from loraplane.engine.model.step_inputs import StepInputs, prepare_step
 from loraplane.engine.model.weights import base_hash, load_model
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_GRAPH_RESERVE_BYTES = 1 << 30  # graphs, sampler temporaries, cuBLAS/Triton workspaces outside the profile
 
 
 @dataclass(slots=True)
@@ -43,15 +43,6 @@ class SampledToken:
     token_id: int
     logprob: float | None = None  # of the sampled token, when requested
     top_logprobs: dict[int, float] | None = None
-
-
-@dataclass(slots=True)
-class StepInputs:
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [S] int64 rows whose next token is sampled
-    decode_only: bool
 
 
 def resolve_device(name: str) -> torch.device:
@@ -107,7 +98,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.vocab_size = cfg.vocab_size
         self.eos_token_ids = _eos_ids(Path(config.model), cfg)
-        free_before = self._free_device_memory()
+        free_before = free_device_memory(self)
         if model is None and tp is not None:  # TP hook: each rank reads only its slices
             from loraplane.engine.parallel.loader import load_sharded_model
 
@@ -122,7 +113,7 @@ class ModelRunner:
         self.layout = memory_layout(config, cfg, self.block_size, self.dtype, self.device)
         self._init_lora(self.layout.pools_before_kv())  # before KV sizing: the split's pools come first
         self.merger = self._new_merger()  # before KV sizing too: its merged weights come out of KV's share
-        self.num_kv_blocks = self.layout.kv_blocks(self._num_split_kv_blocks(free_before))
+        self.num_kv_blocks = self.layout.kv_blocks(num_split_kv_blocks(self, free_before))
         if tp is not None:  # TP hook: one block table for all ranks, so the same number of blocks
             self.num_kv_blocks = tp.min_int(self.num_kv_blocks)
         self._allocate_kv_cache()
@@ -257,57 +248,6 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         return self.layout.kv_block_bytes
 
-    def _free_device_memory(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        self._allocated_before = torch.cuda.memory_allocated()
-        return torch.cuda.mem_get_info()[0]
-
-    def _num_split_kv_blocks(self, free_before: int) -> int:
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.device.type != "cuda":  # no more than every sequence at full length can hold: a tiny model's
-            # 1 GiB default would be mostly never-touched blocks (about 1 GB of a test server's RSS)
-            enough = self.config.max_num_seqs * self.max_blocks_per_seq
-            return max(1, min(self.config.cpu_kv_cache_bytes // self.kv_block_bytes, enough))
-        self._profile_forward()
-        used = torch.cuda.max_memory_allocated() - self._allocated_before  # weights + peak activations
-        budget = int(free_before * self.config.gpu_memory_utilization) - used - self._graph_reserve_bytes()
-        if budget < self.kv_block_bytes * self.max_blocks_per_seq:
-            raise ValueError(
-                f"EngineConfig.gpu_memory_utilization: {self.config.gpu_memory_utilization} leaves "
-                f"{budget / 2**30:.2f} GiB for KV, less than one sequence of max_model_len={self.max_model_len}"
-            )
-        return budget // self.kv_block_bytes
-
-    def _graph_reserve_bytes(self) -> int:
-        """What graphs and workspaces take outside the profile: a fixed reserve, plus each extra LoRA
-        family's logits buffers (fp32, every bucket)."""
-        cfg = self.config
-        if cfg.enforce_eager or not cfg.enable_lora or self.tp is not None:
-            return _GRAPH_RESERVE_BYTES
-        rows = sum(s for s in cfg.cuda_graph_batch_sizes if s <= cfg.max_num_seqs)
-        families = len({frozenset(s) for s in cfg.lora_graph_module_sets})
-        return _GRAPH_RESERVE_BYTES + families * rows * self.vocab_size * 4
-
-    @torch.inference_mode()
-    def _profile_forward(self) -> None:
-        """One forward at the largest step size (empty cache: no KV writes) to measure peak activations."""
-        T = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.max_model_len)
-        spans, row = [], 0
-        while row < T:
-            n = min(self.max_model_len, T - row)
-            spans.append(PrefillSpan(row, n, n, -1))
-            row += n
-        ids = torch.randint(0, self.vocab_size, (T,), device=self.device)
-        positions = torch.cat([torch.arange(s.q_len, device=self.device) for s in spans])
-        meta = AttentionMetadata(slot_mapping=torch.full((T,), -1, device=self.device), prefill=spans)
-        rows = torch.arange(min(T, self.config.max_num_seqs), device=self.device)
-        self.model(ids, positions, meta, rows)
-        torch.cuda.synchronize()
-
     def _allocate_kv_cache(self) -> None:
         """The KV cache, the memory arbiter that hands out its blocks, and the pools built with it."""
         placed = self.layout.allocate(self.num_kv_blocks)
@@ -344,54 +284,7 @@ class ModelRunner:
 
     # --------------------------------------------------------------------------------------- inputs
     def _prepare(self, batch) -> StepInputs:
-        bs, cuda = self.block_size, self.device.type == "cuda"
-        ids: list[int] = []
-        slots: list[int] = []
-        positions: list[int] = []
-        spans: list[PrefillSpan] = []
-        gather: list[int] = []
-        dec_rows: list[int] = []
-        dec_tables: list[list[int]] = []
-        dec_lens: list[int] = []
-        sample_rows: list[int] = []
-        for chunk in batch.chunks:
-            seq, start, n = chunk.seq, chunk.start, chunk.num_tokens
-            end, row, table = start + n, len(ids), seq.block_table
-            if end > self.max_model_len:
-                raise ValueError(
-                    f"sequence {seq.seq_id}: {end} tokens exceed max_model_len={self.max_model_len}"
-                )
-            ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            if n == 1 and cuda:
-                dec_rows.append(row)
-                dec_tables.append(table[: -(-end // bs)])
-                dec_lens.append(end)
-            elif start == 0:
-                spans.append(PrefillSpan(row, n, n, -1))
-            else:
-                spans.append(PrefillSpan(row, n, end, len(gather)))
-                gather.extend(table[p // bs] * bs + p % bs for p in range(end))
-            if chunk.sample:
-                sample_rows.append(row + n - 1)
-        T = len(ids)
-        pad, Tp, S = [0] * (T % 2), T + T % 2, len(sample_rows)
-        # int64; positions and slots start 16-byte aligned for any T (Triton specialises pointer alignment)
-        flat = torch.tensor(ids + pad + positions + pad + slots + sample_rows + gather + dec_rows)
-        flat = flat.to(self.device, non_blocking=True)
-        cuts = (Tp + T, 2 * Tp, 2 * Tp + T, 2 * Tp + T + S, 2 * Tp + T + S + len(gather))
-        meta = AttentionMetadata(slot_mapping=flat[cuts[1] : cuts[2]], prefill=spans)
-        if gather:
-            meta.gather_slots = flat[cuts[3] : cuts[4]]
-        decode_only = len(dec_rows) == len(batch.chunks)
-        if dec_rows:
-            width = max(len(t) for t in dec_tables)
-            padded = [t + [0] * (width - len(t)) for t in dec_tables]
-            meta.block_tables = torch.tensor(padded, dtype=torch.int32).to(self.device, non_blocking=True)
-            meta.seq_lens = torch.tensor(dec_lens, dtype=torch.int32).to(self.device, non_blocking=True)
-            meta.decode_rows = None if decode_only else flat[cuts[4] :]
-        return StepInputs(flat[:T], flat[Tp : cuts[0]], meta, flat[cuts[2] : cuts[3]], decode_only)
+        return prepare_step(batch, self.block_size, self.max_model_len, self.device)
 
     # ---------------------------------------------------------------------------------------- step
     @torch.inference_mode()

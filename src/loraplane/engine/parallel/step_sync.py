@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan
-from loraplane.engine.model.runner import StepInputs
+from loraplane.engine.model.step_inputs import StepInputs
 from loraplane.engine.parallel.group import TPGroup
 
 OP_STOP, OP_STEP, OP_COPY, OP_EVICT = 0, 1, 2, 3  # COPY / EVICT: adapter moves (lora_sync.py)
