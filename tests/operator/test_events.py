@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loraplane.operator import conditions as C
-from loraplane.operator.publish import _event_of
+from loraplane.operator.publish import _event_of, events_of
 
 
 def cond(type_: str, status: str, reason: str, message: str = "m") -> dict:
@@ -27,3 +27,14 @@ def test_a_bad_transition_makes_a_warning_with_the_reason_that_names_the_failure
     only_cached = [cond(C.VALIDATED, C.TRUE, C.VALID), cond(C.CACHED, C.FALSE, "PodsPending")]
     assert _event_of(only_cached)[:2] == ("Warning", "PodsPending")
     assert len(_event_of([cond(C.READY, C.FALSE, "x", "y" * 5000)])[2]) == 1024
+
+
+def test_a_canary_transition_keeps_an_event_of_its_own():
+    changed = [cond(C.READY, C.TRUE, C.ALL_PODS_SERVING), cond(C.CANARY, C.TRUE, "CanaryPromoted"),
+               cond(C.DEGRADED, C.FALSE, C.AS_EXPECTED)]  # fmt: skip
+    assert [e[:2] for e in events_of(changed)] == [
+        ("Normal", "CanaryPromoted"),
+        ("Normal", C.ALL_PODS_SERVING),
+    ]
+    assert [e[1] for e in events_of([cond(C.CANARY, C.TRUE, "CanaryPromoted")])] == ["CanaryPromoted"]
+    assert events_of([]) == []

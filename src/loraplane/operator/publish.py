@@ -34,9 +34,17 @@ async def publish(ctx: Context, body: dict, ref: Ref, status: dict) -> bool:
         ctx.echo.remember(ref.path(), written)
     changed = [c for c in C.transitions(old.get("conditions"), status.get("conditions") or [])
                if c["status"] != C.UNKNOWN]  # fmt: skip
-    if changed:
-        post_event(body, *_event_of(changed))
+    for event in events_of(changed):
+        post_event(body, *event)
     return True
+
+
+def events_of(changed: list[dict]) -> list[tuple[str, str, str]]:
+    """The Events of one status write's transitions (Unknown ones left out): one for them all, and one for a
+    canary's, whose steps are a story of their own (StepPassed, CanaryPromoted, ...)."""
+    canary = [c for c in changed if c["type"] == C.CANARY]
+    rest = [c for c in changed if c["type"] != C.CANARY]
+    return [_event_of(group) for group in [[c] for c in canary] + ([rest] if rest else [])]
 
 
 def _bad(cond: dict) -> bool:
