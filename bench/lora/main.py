@@ -292,7 +292,7 @@ def run(argv: list[str]) -> dict:
     elem = torch.empty((), dtype=dtype).element_size()
     row_bytes = sum(cfg.num_layers * (i + o) * elem for i, o in module_shapes(cfg).values())
     lora_cfg = EngineConfig(
-        lora_pool_bytes=B * 64 * row_bytes, lora_host_bytes=1 << 50, max_lora_rank=64, **common
+        lora_pool_bytes=B * 64 * row_bytes, lora_host_bytes=16 << 30, max_lora_rank=64, **common
     )
     t0 = time.perf_counter()
     runner = ModelRunner(lora_cfg, model=model, model_config=cfg)

@@ -197,7 +197,7 @@ def run(argv: list[str]) -> dict:
     # -- the LoRA engine with merging on --
     elem = torch.empty((), dtype=dtype).element_size()
     row_bytes = sum(cfg.num_layers * (i + o) * elem for i, o in module_shapes(cfg).values())
-    lora_cfg = EngineConfig(lora_pool_bytes=2560 * row_bytes, lora_host_bytes=1 << 50, max_lora_rank=64,
+    lora_cfg = EngineConfig(lora_pool_bytes=2560 * row_bytes, lora_host_bytes=16 << 30, max_lora_rank=64,
                             lora_merge=True, lora_merge_after_steps=4, lora_graph_module_sets=ATTENTION_MODULE_SETS,
                             **common)  # fmt: skip
     t0 = time.perf_counter()

@@ -178,7 +178,7 @@ def build(args, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, batc
     config = EngineConfig(model=args.folder, device=device.type, dtype=str(dtype).split(".")[1], block_size=16,
                           num_kv_blocks=max(batches) * per, max_num_seqs=max(batches), max_model_len=CTX + 16,
                           max_num_batched_tokens=max(batches) * 2, enable_lora=args.adapters > 0,
-                          max_loras=max(args.adapters, 1), max_lora_rank=16, lora_host_bytes=1 << 50,
+                          max_loras=max(args.adapters, 1), max_lora_rank=16, lora_host_bytes=16 << 30,
                           cuda_graph_batch_sizes=batches)  # fmt: skip
     if tp is not None:
         model = random_sharded_model(cfg, tp, device, dtype)

@@ -143,7 +143,7 @@ def run(argv: list[str]) -> dict:
     common = dict(model=str(tmp), device=device.type, dtype=str(dtype).removeprefix("torch."), block_size=16,
                   max_model_len=max_len, max_num_seqs=64, max_num_batched_tokens=8192, enforce_eager=True,
                   num_kv_blocks=half_blocks, lora_pool_bytes=half_blocks * block_bytes, max_lora_rank=RANK,
-                  lora_host_bytes=1 << 50, adapter_load_timeout_s=3600.0)  # fmt: skip
+                  lora_host_bytes=16 << 30, adapter_load_timeout_s=3600.0)  # fmt: skip
     weights = [
         synth_weights(cfg, dtype, seed) for seed in range(8)
     ]  # shared on the host: values do not matter

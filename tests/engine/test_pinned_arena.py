@@ -120,3 +120,22 @@ def adapters(make_hf_model, tmp_path_factory):
     from tests.engine.test_adapter_churn import adapters as churn_adapters
 
     return churn_adapters.__wrapped__(make_hf_model, tmp_path_factory)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_an_arena_dropped_without_close_unlocks_its_pages_and_leaves_no_error():
+    """Engines come and go in one process (tests, a reload): a dropped arena's range must be unlocked before
+    it is unmapped, or the next map at that address fails to register, and the failed call's error is then
+    raised by whichever CUDA call comes next."""
+    for _ in range(4):  # the same size each time, so the kernel hands back the same addresses
+        arena = PinnedArena(256 * ALIGN, pin=True)
+        assert arena.pinned
+        block = arena.take(ALIGN)
+        block.fill_(3)
+        on_device = block.to("cuda", non_blocking=True)
+        del arena, block
+        gc.collect()
+        assert int(on_device.sum()) == 3 * ALIGN
+        torch.zeros(4, device="cuda").add_(1)  # a later launch does not raise an earlier call's error
+    torch.cuda.synchronize()

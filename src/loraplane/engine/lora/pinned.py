@@ -32,9 +32,9 @@ class PinnedArena:
         if nbytes < ALIGN:
             raise ValueError(f"nbytes: the arena needs at least {ALIGN} bytes, got {nbytes}")
         self.capacity = nbytes - nbytes % ALIGN
-        self._registered = False  # locked by cudaHostRegister (close unlocks it)
+        self._unlock: weakref.finalize | None = None  # set when cudaHostRegister locked it
         if pin:
-            self._mem, self.pinned, self._registered = _page_locked(self.capacity)
+            self._mem, self.pinned, self._unlock = _page_locked(self.capacity)
         else:
             self._mem, self.pinned = np.empty(self.capacity, dtype=np.uint8), False
         self._lock = threading.Lock()
@@ -77,10 +77,11 @@ class PinnedArena:
             return max((length for _, length in self._free), default=0)
 
     def close(self) -> None:
-        """Unlock the arena's pages where this arena locked them (blocks still alive keep the memory)."""
-        if self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._mem.ctypes.data)
-            self._registered = self.pinned = False
+        """Unlock the arena's pages now where this arena locked them (blocks still alive keep the memory).
+        Without it they are unlocked when the memory itself goes (see ``_page_locked``)."""
+        if self._unlock is not None:
+            self._unlock()
+            self._unlock, self.pinned = None, False
 
 
 def take_or_evict(
@@ -103,15 +104,35 @@ def take_or_evict(
     return None
 
 
-def _page_locked(nbytes: int) -> tuple[np.ndarray, bool, bool]:
+def _unregister(address: int) -> None:
+    cudart = torch.cuda.cudart()
+    if int(cudart.cudaHostUnregister(address)) != 0:
+        cudart.cudaGetLastError()  # not a later kernel's error (see below)
+
+
+def _page_locked(nbytes: int) -> tuple[np.ndarray, bool, weakref.finalize | None]:
     """``nbytes`` of page-locked memory: an anonymous map (page-aligned) locked in place with exactly its
     size, else (the driver refuses) one page-locked allocation of torch's; pageable when neither works."""
-    mem = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    err = torch.cuda.cudart().cudaHostRegister(mem.ctypes.data, nbytes, 0)
-    if int(err) == 0 and torch.from_numpy(mem[:ALIGN]).is_pinned():
-        return mem, True, True
+    cudart = torch.cuda.cudart()
+    try:
+        mem = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    except OSError as exc:  # more than the host will ever give: say which setting asked for it
+        raise ValueError(f"lora_host_bytes: cannot reserve {nbytes} bytes of host memory for the host tier "
+                         f"({exc.strerror}); set it below the host's free memory") from exc  # fmt: skip
+    err = int(cudart.cudaHostRegister(mem.ctypes.data, nbytes, 0))
+    if err == 0:
+        # Unlock before the map goes (every block is a view of ``mem``, so this runs after the last one):
+        # a range unmapped while still registered makes the next map at that address fail to register.
+        unlock = weakref.finalize(mem, _unregister, mem.ctypes.data)
+        unlock.atexit = False  # the process's exit unlocks everything, after CUDA may already be gone
+        if torch.from_numpy(mem[:ALIGN]).is_pinned():
+            return mem, True, unlock
+        unlock()
+    else:
+        # A failed runtime call leaves its error for the next kernel launch to report as its own.
+        cudart.cudaGetLastError()
     try:
         held = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     except RuntimeError:
-        return mem, False, False
-    return held.numpy(), held.is_pinned(), False  # the numpy view keeps the tensor (and its memory) alive
+        return mem, False, None
+    return held.numpy(), held.is_pinned(), None  # the numpy view keeps the tensor (and its memory) alive
