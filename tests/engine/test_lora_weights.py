@@ -79,8 +79,17 @@ def test_scale_folded_into_b_and_pattern_keys_match_like_peft(tmp_path, cfg):
     folder = write(tmp_path / "b", {"lora_alpha": 12, "use_rslora": True}, tensors)
     w = load_adapter_weights(folder, cfg, max_rank=64)
     assert w.ranks == {"q_proj": 4} and w.a["q_proj"].shape == (L, 4, H)
-    assert torch.allclose(w.b["q_proj"][0], torch.full((Q, 4), 12 / math.sqrt(4)))
+    # The layers' one scale is the slot's (the kernels apply it); B stays as on file.
+    assert w.scales == {"q_proj": 12 / math.sqrt(4)} and torch.equal(w.b["q_proj"][0], torch.ones(Q, 4))
     assert w.b["q_proj"][1].abs().sum() == 0  # layer 1 has no LoRA: zero delta
+    # Layers with different scales (alpha_pattern by layer): each is folded into its B, no slot scale.
+    tensors = {key(i, "q_proj", ab): torch.ones(4, H) if ab == "A" else torch.ones(Q, 4)
+               for i in range(L) for ab in "AB"}  # fmt: skip
+    config = {"lora_alpha": 8, "alpha_pattern": {"model.layers.0.self_attn.q_proj": 2}}
+    w = load_adapter_weights(write(tmp_path / "c", config, tensors), cfg, max_rank=64)
+    assert "q_proj" not in w.scales
+    assert torch.equal(w.b["q_proj"][0], torch.full((Q, 4), 2 / 4))
+    assert torch.equal(w.b["q_proj"][1], torch.full((Q, 4), 8 / 4))
 
 
 REFUSALS = [

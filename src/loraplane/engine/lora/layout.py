@@ -117,16 +117,24 @@ def _factor(tensors: list[torch.Tensor], base: int, nbytes: int, dtype: torch.dt
     return _Factor(ordered[0], stride, tensors[0].numel(), order)
 
 
-def fill(layout: Layout, data: torch.Tensor, out_a: dict, out_b: dict, module: _Module) -> None:
-    """One module's stacked A [L, r, in] and scaled B [L, out, r] from the file ``data`` (uint8)."""
+def fill(layout: Layout, data: torch.Tensor, out_a: dict, out_b: dict, module: _Module) -> float | None:
+    """One module's stacked A [L, r, in] and B [L, out, r] from the file ``data`` (uint8). Returns the
+    layers' one scale when they share it (B stays as on file; the slot applies it), else None with each
+    layer's scale folded into its B (a 16-bit ``mul_`` computes in fp32 and rounds once, as PEFT's)."""
     for factor, dst in ((module.a, out_a[module.name]), (module.b, out_b[module.name])):
         torch.index_select(
             _strided(data, factor, layout.dtype), 0, factor.order, out=dst.view(dst.shape[0], -1)
         )
-    scales = module.scales
-    if any(s != 1.0 for s in scales):  # a 16-bit mul_ computes in fp32 and rounds once, as PEFT's B * scale
-        b = out_b[module.name]
-        b.mul_(scales[0] if len(set(scales)) == 1 else torch.tensor(scales).view(-1, 1, 1))
+    scale = shared_scale(module.scales)
+    if scale is None:
+        out_b[module.name].mul_(torch.tensor(module.scales).view(-1, 1, 1))
+    return scale
+
+
+def shared_scale(scales) -> float | None:
+    """The one scale of a module's layers, or None when they differ."""
+    distinct = set(scales)
+    return float(next(iter(distinct))) if len(distinct) == 1 else None
 
 
 def _strided(data: torch.Tensor, factor: _Factor, dtype: torch.dtype) -> torch.Tensor:

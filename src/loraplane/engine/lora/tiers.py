@@ -143,8 +143,12 @@ class GpuTier:
         """Allocate the version's pages in every module it has and copy its factors in (async on CUDA)."""
         start = time.perf_counter()
         gid = self._free_ids.pop()
-        # Scale in B; no zeroing: _write fills every row of every layer (B of layers below r_m holds zeros).
-        slots = {m: self.pools[m].allocate(r, 1.0, slot=gid, zero=False) for m, r in weights.ranks.items()}
+        # No zeroing: _write fills every row of every layer (B of layers below r_m holds zeros). A module
+        # without a scale of its own has it folded into B.
+        slots = {
+            m: self.pools[m].allocate(r, weights.scales.get(m, 1.0), slot=gid, zero=False)
+            for m, r in weights.ranks.items()
+        }
         self.slots[key], self.slot_id[key], self.ranks[gid] = slots, gid, weights.rank
         self.bytes_of[key] = self.bytes_for(weights)
         if self.mirror is not None:  # TP hook: the workers take the same slot; this rank writes its shard

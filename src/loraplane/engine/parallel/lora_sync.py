@@ -15,6 +15,8 @@ sends the slot of every chunk's adapter per module, from which the workers build
 
 from __future__ import annotations
 
+import struct
+
 import torch
 
 from loraplane.engine.lora.weights import TARGET_MODULES, AdapterWeights, module_shapes
@@ -30,7 +32,7 @@ KINDS = ("decode", "prefill", "graph")  # LoRABatchMeta sets of the adapter mana
 def shard_adapter(weights: AdapterWeights, cfg: ModelConfig, tp: TPGroup) -> AdapterWeights:
     """This rank's part of a whole adapter (``cfg``: the whole model's config)."""
     shards = shard_rows(cfg, tp)
-    out = AdapterWeights(a={}, b={}, ranks=dict(weights.ranks))
+    out = AdapterWeights(a={}, b={}, ranks=dict(weights.ranks), scales=dict(weights.scales))
     for m in weights.a:
         first, count = shards[m]
         a, b = weights.a[m], weights.b[m]  # [L, r, in], [L, out, r]
@@ -48,8 +50,12 @@ class AdapterMirror:
         self.driver, self.cfg = driver, cfg
 
     def copy(self, slot: int, weights: AdapterWeights) -> AdapterWeights:
-        """Send the slot, ranks and whole factors; return rank 0's shard (what its pools hold)."""
-        info = [slot] + [v for m in weights.ranks for v in (TARGET_MODULES.index(m), weights.ranks[m])]
+        """Send the slot, ranks, slot scales and whole factors; return rank 0's shard (what its pools hold)."""
+        info = [slot] + [
+            v
+            for m in weights.ranks
+            for v in (TARGET_MODULES.index(m), weights.ranks[m], _bits(weights.scales.get(m, 1.0)))
+        ]
         tensors = [t for m in weights.ranks for t in (weights.a[m], weights.b[m])]
         self.driver.send_op(step_sync.OP_COPY, info, tensors)
         return shard_adapter(weights, self.cfg, self.driver.tp)
@@ -71,6 +77,15 @@ def step_slots(lora, batch, kind: str | None) -> tuple[int, list[int]]:
 
 
 # ----------------------------------------------------------------------------------------- worker side
+def _bits(value: float) -> int:
+    """A float32 as the int32 of its bits (the op's info is a list of ints)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def _float(bits: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
+
+
 def _key(slot: int) -> str:
     return f"slot-{slot}"  # workers know adapters by rank 0's slot only
 
@@ -79,8 +94,9 @@ def apply_copy(runner, tp: TPGroup, cfg: ModelConfig, info: list[int]) -> None:
     """Receive the whole factors, keep this rank's shard in the slot rank 0 chose."""
     gpu, shapes, slot = runner.lora.gpu, module_shapes(cfg), info[0]
     whole = AdapterWeights(a={}, b={})
-    for i in range(1, len(info), 2):
+    for i in range(1, len(info), 3):
         m, rank = TARGET_MODULES[info[i]], info[i + 1]
+        whole.scales[m] = _float(info[i + 2])
         fan_in, fan_out = shapes[m]
         a = torch.empty(cfg.num_layers, rank, fan_in, dtype=runner.dtype, device=tp.device)
         b = torch.empty(cfg.num_layers, fan_out, rank, dtype=runner.dtype, device=tp.device)
