@@ -139,3 +139,30 @@ def test_gpu_an_arena_dropped_without_close_unlocks_its_pages_and_leaves_no_erro
         assert int(on_device.sum()) == 3 * ALIGN
         torch.zeros(4, device="cuda").add_(1)  # a later launch does not raise an earlier call's error
     torch.cuda.synchronize()
+
+
+def test_an_adapter_in_use_on_the_gpu_gives_its_host_block_back(adapters):
+    """While a request streams from an adapter with GPU rows, its host copy is evictable (the GPU copy serves
+    it), so the host tier never fills with adapters already on the GPU and new loads keep finding room.
+    Before that, the host copy of every adapter with a running request stayed, however long it ran."""
+    base, folders = adapters
+
+    async def main() -> tuple[bool, bool, list[int]]:
+        engine = make_async(base, max_loras=2, max_lora_rank=8)
+        lora = engine.engine.runner.lora
+        try:
+            await load_all(engine, folders, ("hot",))
+            to_disk(engine, "hot")
+            evictable_in_use, tokens = [], []
+            async for out in engine.add_request(PROMPT, GREEDY, adapter="hot@v1"):
+                tokens += out.new_token_ids
+                with lora.lock:
+                    if lora.versions["hot@v1"].in_flight:
+                        evictable_in_use.append(lora._host_evictable("hot@v1"))
+            return all(evictable_in_use) and bool(evictable_in_use), lora.tier_of("hot@v1") == "gpu", tokens
+        finally:
+            await engine.aclose()
+
+    evictable, on_gpu, tokens = asyncio.run(main())
+    assert on_gpu and tokens
+    assert evictable, "the host copy of an adapter on the GPU was held for its running request"

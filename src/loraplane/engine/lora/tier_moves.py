@@ -17,8 +17,17 @@ class TierMoves:
     """Moving weights toward the GPU and freeing them (engine thread); a base of ``AdapterTiers``."""
 
     def _host_evictable(self, key: str) -> bool:
+        """A host copy is kept for what is pinned, and for what requests use or wait for until it has GPU
+        rows. Once it has them the GPU copy serves every step (in use, it cannot be evicted there), and a
+        copy still landing keeps its own source alive: holding the host block as well for the requests'
+        whole life would fill the host tier with adapters already on the GPU, and make every new load wait
+        for room that only their requests' end gives back."""
         v = self.versions.get(key)
-        return v is None or not (v.pinned or v.refs or v.in_flight or key in self.wanted)
+        if v is None or v.pinned:
+            return v is None
+        if key in self.gpu.slots:
+            return True
+        return not (v.refs or v.in_flight or key in self.wanted)
 
     def _gpu_evictable(self, key: str) -> bool:
         v = self.versions.get(key)
