@@ -67,9 +67,10 @@ class EngineConfig:
     # Extra CUDA-graph families for decode steps whose adapters use only these modules: such a step
     # launches LoRA kernels for these modules alone, not for all seven (a q,v-only step: 2 launches a layer
     # instead of 8). Each family costs a capture at start and its logits buffers (buckets x vocab x 4 bytes,
-    # taken from KV). () captures none (the default until the families are measured on a GPU; try
-    # ATTENTION_MODULE_SETS); tensor parallel captures none.
-    lora_graph_module_sets: tuple[tuple[str, ...], ...] = ()
+    # taken from KV). The default covers PEFT's default targets for Llama-style models (q,v) and the
+    # attention-only adapters (q,k,v,o): on the H200's 8B shape a q,v-only B=64 step is 7.84 ms with its
+    # family against 8.41 ms with every module's launches. () captures none; tensor parallel captures none.
+    lora_graph_module_sets: tuple[tuple[str, ...], ...] = ATTENTION_MODULE_SETS
     # "split": KV blocks and the adapter pools have fixed sizes. "unified": one arena per layer holds both, and
     # the share moves at run time (many adapters and short contexts: more adapters; long contexts: more KV).
     # Same total memory either way. Tensor parallel serves only "split".
