@@ -14,5 +14,5 @@ if [ -n "$WHEELS" ]; then
     "$WHEELS"/*.whl || exit 1
   export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
-python3 -c 'import fastapi, uvicorn, pydantic, boto3, loraplane.http.app' || exit 1
+python3 -c 'import fastapi, uvicorn, pydantic, boto3, loraplane.http.app, loraplane.serve.main, loraplane.serve.sources' || exit 1
 python3 bench/churn/server.py --gpu --out "$O" "$@" 2>&1 | tee "$O/churn-server.log" | grep -v '^|'
