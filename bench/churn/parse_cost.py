@@ -48,7 +48,9 @@ def write_adapter(folder: Path, cfg: ModelConfig, rank: int) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="bench churn parse_cost")
     parser.add_argument("--loads", type=int, default=5)
-    parser.add_argument("--dir", default=None, help="where the adapter files go (default: a temporary folder)")
+    parser.add_argument(
+        "--dir", default=None, help="where the adapter files go (default: a temporary folder)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as the loader workers on a GPU host
     cfg = ModelConfig.from_dict(LLAMA3_8B, max_model_len=2048)

@@ -7,6 +7,7 @@ gate opens), so every wait is deterministic."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from pathlib import Path
@@ -197,6 +198,45 @@ def test_a_disk_registered_adapter_is_held_to_the_bytes_of_its_first_read(adapte
     asyncio.run(main())
 
 
+def test_a_reload_of_an_unwritten_file_skips_the_hash_and_a_write_is_still_caught(adapters, tmp_path):
+    """A file that has the identity (inode, size, mtime, ctime) it had when it last hashed to the version's
+    digest is not hashed again on a reload; a write is caught even with its mtime put back, since the ctime
+    cannot be put back."""
+    base, folders = adapters
+    folder = tmp_path / "cold"
+    folder.mkdir()
+    for f in folders["cold1"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    weights = folder / "adapter_model.safetensors"
+
+    async def reload(engine) -> list[int]:
+        await load_all(engine, folders, ("hot",))
+        assert len(await collect(engine, "hot@v1")) == GREEDY.max_tokens  # takes the GPU from cold
+        to_disk(engine, "cold")
+        return await asyncio.wait_for(collect(engine, "cold@v1"), 30)
+
+    async def main():
+        engine = make_async(base, max_loras=1, max_lora_rank=8)  # one adapter on the GPU
+        lora = engine.engine.runner.lora
+        try:
+            await engine.load_adapter("cold", "v1", folder, "sha256:cold", on_disk=True)
+            first = await collect(engine, "cold@v1")  # the first read: hashed off the load's path
+            for _ in range(2):
+                assert await reload(engine) == first
+                assert lora.versions["cold@v1"].timings["disk_hash"] == 0.0, "an unwritten file hashed again"
+            stat = weights.stat()
+            data = bytearray(weights.read_bytes())
+            data[-8:] = b"\x00" * 8
+            weights.write_bytes(bytes(data))
+            os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same size and mtime as before
+            with pytest.raises(RequestError, match="ChecksumMismatch"):
+                await reload(engine)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
+
+
 def test_loop_sleeps_while_every_request_waits_for_an_adapter(adapters):
     """The engine thread's own CPU time (time.thread_time, read on that thread after each step) over a
     stretch in which the only requests wait for a load held at the gate: a spinning loop burns ~100 %."""
@@ -255,7 +295,7 @@ def test_direct_read_equals_the_cached_read_and_bf16_nans_are_found(adapters, tm
     import torch
 
     from loraplane.engine.lora.safetensors_io import read_file_direct
-    from loraplane.engine.lora.weights import _all_finite
+    from loraplane.engine.lora.stacking import _all_finite
 
     _, folders = adapters
     path = folders["hot"] / "adapter_model.safetensors"
@@ -271,3 +311,9 @@ def test_direct_read_equals_the_cached_read_and_bf16_nans_are_found(adapters, tm
             u = t.clone()
             u[2, 3] = bad
             assert not _all_finite(u), (dtype, bad)
+        big = torch.randn(100_003).to(dtype)  # the vectorised path and its tail
+        for at in (0, 50_001, 100_002):
+            for bad in (float("nan"), float("inf"), float("-inf")):
+                u = big.clone()
+                u[at] = bad
+                assert not _all_finite(u), (dtype, bad, at)

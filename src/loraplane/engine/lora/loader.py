@@ -29,6 +29,7 @@ class _Job:
     key: str
     folder: Path
     sha256: str | None
+    file_id: tuple | None
     nbytes: int
     future: Future = field(default_factory=Future)
 
@@ -36,7 +37,7 @@ class _Job:
 class AdapterLoader:
     def __init__(
         self,
-        parse: Callable[[Path, str | None], AdapterWeights],
+        parse: Callable[[Path, str | None, tuple | None], AdapterWeights],
         *,
         workers: int = DEFAULT_WORKERS,
         max_bytes: int = DEFAULT_MAX_BYTES,
@@ -61,13 +62,16 @@ class AdapterLoader:
         self.in_flight_bytes = 0
         self.max_in_flight = 0  # the most loads that ran at once (tests, benchmarks)
 
-    def submit(self, key: str, folder: Path, sha256: str | None = None) -> Future:
-        """Queue a load of ``folder`` (its result: AdapterWeights, or the parse's exception)."""
+    def submit(
+        self, key: str, folder: Path, sha256: str | None = None, file_id: tuple | None = None
+    ) -> Future:
+        """Queue a load of ``folder`` (its result: AdapterWeights, or the parse's exception). ``sha256`` and
+        ``file_id``: what the file hashed to, and its identity then (see ``load_adapter_weights``)."""
         try:
             nbytes = (Path(folder) / WEIGHTS_FILE).stat().st_size
         except OSError:
             nbytes = 0  # the parse names what is missing
-        job = _Job(key, Path(folder), sha256, nbytes)
+        job = _Job(key, Path(folder), sha256, file_id, nbytes)
         with self._lock:
             old = self._running.get(key) or self._queued.get(key)
             if old is not None:
@@ -105,7 +109,7 @@ class AdapterLoader:
 
     def _run(self, job: _Job) -> None:
         try:
-            weights = self.parse(job.folder, job.sha256)
+            weights = self.parse(job.folder, job.sha256, job.file_id)
         except BaseException as error:  # noqa: BLE001 - it belongs to the requests of this adapter
             job.future.set_exception(error)
         else:

@@ -78,12 +78,14 @@ class AdapterTiers(TierMoves):
             )
 
     # -- parsing ----------------------------------------------------------------------------------------
-    def parse(self, folder: Path, sha256: str | None = None) -> AdapterWeights:
+    def parse(self, folder: Path, sha256: str | None = None, file_id: tuple | None = None) -> AdapterWeights:
         """Read and validate a PEFT folder into host tensors (page-locked on CUDA). Any thread.
-        ``sha256``: what the weights file hashed to when first read (a changed file is refused)."""
+        ``sha256``: what the weights file hashed to when first read (a changed file is refused); ``file_id``:
+        its identity then (an unwritten file is not hashed again)."""
         return load_adapter_weights(folder, self.model_config, max_rank=self.max_rank, dtype=self.dtype,
                                     pin=self.device.type == "cuda", read=self.read, sha256=sha256,
-                                    alloc=self._host_block if self.arena is not None else None)  # fmt: skip
+                                    alloc=self._host_block if self.arena is not None else None,
+                                    file_id=file_id)  # fmt: skip
 
     def _host_block(self, nbytes: int) -> torch.Tensor:
         """Room for one parse in the host arena (loader threads); pageable memory when there is none (its

@@ -57,7 +57,7 @@ class TierMoves:
         weights = self.host.get(key)
         if weights is None:
             if v.loading is None:
-                v.loading = self.loader.submit(key, v.folder, known_sha256(v))
+                v.loading = self.loader.submit(key, v.folder, known_sha256(v), v.file_id)
             if not v.loading.done():
                 return False
             future, v.loading = v.loading, None
@@ -70,6 +70,9 @@ class TierMoves:
             v.timings.update({f"disk_{k}": t for k, t in weights.timings.items()})
             if v.sha256 is None:  # registered on disk: its first read fixes the bytes (hashed off this path)
                 v.sha256, v.hashing = weights.sha256, weights.hashing
+            # What this read hashed to (or the first read's hash, still running, will): a later read of
+            # the same unwritten file need not hash it again.
+            v.file_id = weights.file_id
             self.host.put(key, weights, self._host_evictable)
         if queued and not self.wanted.may_take_room(key, self._requested):
             return False

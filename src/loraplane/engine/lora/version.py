@@ -28,6 +28,7 @@ class AdapterVersion:
     sha256: str | None = None  # of the weights file as first read: a reload must match it
     ranks: dict[str, int] = field(default_factory=dict)  # module -> rank (what it needs in each pool)
     hashing: Future | None = None  # the first read's hash, (digest, seconds), while sha256 is unknown
+    file_id: tuple | None = None  # the weights file's identity when it hashed to sha256
 
 
 def known_sha256(v: AdapterVersion) -> str | None:

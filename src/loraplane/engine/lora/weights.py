@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import time
-from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,8 +28,9 @@ import torch
 from loraplane.artifacts.errors import BAD_MANIFEST, ArtifactError
 from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
 from loraplane.engine.api import AdapterError
-from loraplane.engine.lora.layout import Layout, Layouts, fill, header_key, layout_of, shared_scale
+from loraplane.engine.lora.layout import Layouts, header_key, layout_of
 from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file, read_header
+from loraplane.engine.lora.stacking import AdapterWeights, Alloc, new_buffer, stack_factors, stack_known
 from loraplane.engine.model.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -38,47 +38,8 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-TARGET_MODULES = tuple(_PARENT)  # PEFT names, in packing order
+TARGET_MODULES = tuple(_PARENT)  # PEFT names, in packing order (stacking.TARGET_MODULES)
 _KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.(\w+)\.(\w+))\.lora_(A|B)\.weight$")
-
-
-@dataclass(slots=True)
-class AdapterWeights:
-    """One adapter's factors on the host, in the pool's dtype. A module whose layers share one scale keeps B
-    as the file has it and its scale in ``scales`` (the kernels apply it per slot, in fp32): no pass over B on
-    the load's path. Layers with different scales (PEFT ``alpha_pattern`` by layer) have theirs folded into
-    B instead, and no entry in ``scales``."""
-
-    a: dict[str, torch.Tensor]  # module -> [L, r_m, in]
-    b: dict[str, torch.Tensor]  # module -> [L, out, r_m] (times its scale when the module has no ``scales``)
-    ranks: dict[str, int] = field(default_factory=dict)  # module -> r_m (largest over layers)
-    scales: dict[str, float] = field(default_factory=dict)  # module -> the scale its slot applies
-    sha256: str | None = None  # "sha256:<hex>" of the weights file it was read from (see ``digest``)
-    timings: dict[str, float] = field(default_factory=dict)  # read / hash / stack seconds
-    hashing: Future | None = None  # (digest, seconds) of a hash still running when the load returned
-
-    def digest(self) -> str | None:
-        """``sha256``, waiting for the hash of a first read (no digest to check) if it is still running."""
-        if self.sha256 is None and self.hashing is not None:
-            self.sha256, self.timings["hash"] = self.hashing.result()
-            self.hashing = None
-        return self.sha256
-
-    @property
-    def rank(self) -> int:
-        return max(self.ranks.values())
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
-
-    def pin(self) -> AdapterWeights:
-        """Page-locked copies, so host-to-device copies can run asynchronously (CUDA only)."""
-        if all(t.is_pinned() for t in (*self.a.values(), *self.b.values())):
-            return self
-        self.a = {m: t.pin_memory() for m, t in self.a.items()}
-        self.b = {m: t.pin_memory() for m, t in self.b.items()}
-        return self
 
 
 def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -116,12 +77,10 @@ def _refuse_key(key: str) -> AdapterError:
     return AdapterError("UnknownModule", f"{WEIGHTS_FILE}: tensor {key!r} is not a served LoRA A/B weight")
 
 
-Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 host tensor the result is carved from
-
-
 def load_adapter_weights(
     folder: Path, cfg: ModelConfig, *, max_rank: int, dtype: torch.dtype = torch.float32, pin: bool = False,
     read: Reader = read_file, sha256: str | None = None, alloc: Alloc | None = None,
+    file_id: tuple | None = None,
 ) -> AdapterWeights:  # fmt: skip
     """Parse, validate and scale one PEFT folder; raises AdapterError naming the field / file / tensor.
 
@@ -129,7 +88,9 @@ def load_adapter_weights(
     and one scale multiply: a few large ops that release the GIL, whatever the number of layers. The result
     lives in one buffer: ``alloc(nbytes)``'s (the host tier's page-locked arena), else a new one, page-locked
     when ``pin``. ``sha256``: the file must hash to it ("sha256:<hex>"), else ``ChecksumMismatch``; without
-    it the hash of this read (which fixes the bytes) may still run when this returns: ``digest()``."""
+    it the hash of this read (which fixes the bytes) may still run when this returns: ``digest()``.
+    ``file_id``: the file's identity when it last hashed to ``sha256``; a file that has it before and after
+    this read has not been written since (any write changes its ctime), so its hash is not computed again."""
     folder = Path(folder)
     config = read_config(folder)
     path = folder / WEIGHTS_FILE
@@ -139,31 +100,36 @@ def load_adapter_weights(
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: {why}")
     timings, t0 = {}, time.perf_counter()
     try:
+        before = file_identity(path)
         buf = read(path)
+        unchanged = sha256 is not None and file_id is not None and before == file_id == file_identity(path)
     except OSError as exc:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
     timings["read"] = (t1 := time.perf_counter()) - t0
-    shapes, alloc = module_shapes(cfg), alloc or _new_buffer(pin)
+    shapes, alloc = module_shapes(cfg), alloc or new_buffer(pin)
     key = header_key(buf, repr(config), tuple(shapes.items()), cfg.num_layers, max_rank, dtype)
     layout = LAYOUTS.get(key, len(buf))
     tensors = _parse(buf) if layout is None else None  # views: a malformed file is named before it is hashed
-    hashing = _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
+    hashing = None if unchanged else _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
     try:
         data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
         if layout is not None:
-            out, bad = _stack_known(layout, data, shapes, cfg.num_layers, alloc)
+            out, bad = stack_known(layout, data, shapes, cfg.num_layers, alloc)
             factors = _factors(_parse(buf), config, cfg, max_rank) if bad else {}  # only to name the tensor
         else:
             factors = _factors(tensors, config, cfg, max_rank)
-            out, bad = _stack(factors, shapes, cfg.num_layers, dtype, alloc)
+            out, bad = stack_factors(factors, shapes, cfg.num_layers, dtype, alloc)
             if not bad and (found := layout_of(factors, data, len(buf), cfg.num_layers, dtype)) is not None:
                 LAYOUTS.put(key, found)
         _check_finite(bad, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
-    out.timings = timings
+    out.timings, out.file_id = timings, before
     if sha256 is None:  # nothing to check it against: the hash finishes off the load's path (``digest()``)
         out.hashing = hashing
+        return out
+    if hashing is None:  # the file verified last time, not written since
+        out.sha256, timings["hash"] = sha256, 0.0
         return out
     digest, timings["hash"] = hashing.result()
     if digest != sha256:
@@ -185,6 +151,13 @@ def _parse(buf: memoryview) -> dict[str, torch.Tensor]:
         raise AdapterError(
             "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
         ) from None
+
+
+def file_identity(path: Path) -> tuple[int, int, int, int, int]:
+    """(device, inode, size, mtime, ctime in ns): the same tuple means the same file, not written since.
+    The ctime cannot be set back from user space, so restoring the mtime after a write does not hide it."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 def _sha256(buf: memoryview) -> tuple[str, float]:
@@ -240,130 +213,8 @@ def _factors(
     return factors
 
 
-def _new_buffer(pin: bool) -> Alloc:
-    return lambda nbytes: torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-
-
-def _carve(
-    ranks: dict[str, int], shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc
-) -> AdapterWeights:
-    """Every module's stacked pair, uninitialised, carved out of one buffer from ``alloc``."""
-    plan = [(m, ranks[m], *shapes[m]) for m in TARGET_MODULES if m in ranks]  # (module, r_m, fan_in, fan_out)
-    total = sum(num_layers * r_m * (fan_in + fan_out) for _, r_m, fan_in, fan_out in plan)
-    elem = torch.empty((), dtype=dtype).element_size()
-    flat = alloc(total * elem).view(dtype)  # [total]
-    out, at = AdapterWeights(a={}, b={}), 0
-    for module, r_m, fan_in, fan_out in plan:
-        a_m = flat[at : (at := at + num_layers * r_m * fan_in)].view(num_layers, r_m, fan_in)  # [L, r_m, in]
-        b_m = flat[at : (at := at + num_layers * fan_out * r_m)].view(
-            num_layers, fan_out, r_m
-        )  # [L, out, r_m]
-        out.a[module], out.b[module], out.ranks[module] = a_m, b_m, r_m
-    return out
-
-
-def _stack(
-    factors: dict, shapes, num_layers: int, dtype: torch.dtype, alloc: Alloc
-) -> tuple[AdapterWeights, list]:
-    """Every module's stacked pair and the modules whose values are not all finite. The modules are filled
-    side by side on a small pool (each fill is a few large tensor ops that release the GIL), so one adapter
-    on an idle engine loads in about the time of its largest module rather than of all seven."""
-    ranks = {m: max(a.shape[0] for a, _, _ in layers.values()) for m, layers in factors.items()}
-    out = _carve(ranks, shapes, num_layers, dtype, alloc)
-    jobs = {
-        m: _STACKER.submit(_fill, out.a[m], out.b[m], factors[m], num_layers, r) for m, r in ranks.items()
-    }
-    return _gather(out, jobs)
-
-
-def _gather(out: AdapterWeights, jobs: dict) -> tuple[AdapterWeights, list]:
-    """Each module fill's (finite, scale left to the slot or None) into ``out``; the non-finite modules."""
-    bad = []
-    for m, job in jobs.items():
-        finite, scale = job.result()
-        if scale is not None:
-            out.scales[m] = scale
-        if not finite:
-            bad.append(m)
-    return out, bad
-
-
-def _stack_known(
-    layout: Layout, data: torch.Tensor, shapes, num_layers: int, alloc: Alloc
-) -> tuple[AdapterWeights, list]:
-    """``_stack`` for a file whose layout is known: one gather per factor (layout.py)."""
-    ranks = {m.name: m.a.numel // shapes[m.name][0] for m in layout.modules}
-    out = _carve(ranks, shapes, num_layers, layout.dtype, alloc)
-
-    def one(module) -> tuple[bool, float | None]:
-        scale = fill(layout, data, out.a, out.b, module)
-        return _all_finite(out.a[module.name]) and _all_finite(out.b[module.name]), scale
-
-    return _gather(out, {m.name: _STACKER.submit(one, m) for m in layout.modules})
-
-
-def _fill(
-    a_m: torch.Tensor, b_m: torch.Tensor, layers: dict, num_layers: int, r_m: int
-) -> tuple[bool, float | None]:
-    """One module's stacked A [L, r_m, in] and B [L, out, r_m]; whether every value is finite, and the
-    layers' one scale when they share it (B left unscaled for the slot to apply), else None (folded)."""
-    scale = shared_scale([s for _, _, s in layers.values()])
-    if len(layers) == num_layers and all(a.shape[0] == r_m for a, _, _ in layers.values()):
-        _stack_uniform(a_m, b_m, [layers[i] for i in range(num_layers)], fold=scale is None)
-    else:  # some layers absent or at a lower rank: zeros there add exactly nothing
-        a_m.zero_()
-        b_m.zero_()
-        for layer, (a, b, s) in layers.items():
-            a_m[layer, : a.shape[0]] = a.float().to(a_m.dtype)
-            b_m[layer, :, : a.shape[0]] = (b if scale is not None else b.float() * s).to(b_m.dtype)
-    return _all_finite(a_m) and _all_finite(b_m), scale
-
-
-def _one_thread_on_gpu_hosts() -> None:
-    # Several fills at once must not each start a team of intra-op threads on a GPU host (the engine thread
-    # needs its core); a CPU-only engine keeps torch's default, which this call would change process-wide.
-    if torch.cuda.is_available():
-        torch.set_num_threads(1)
-
-
-_STACKER = ThreadPoolExecutor(
-    4, thread_name_prefix="loraplane-adapter-stack", initializer=_one_thread_on_gpu_hosts
-)
-
-
-def _stack_uniform(a_m: torch.Tensor, b_m: torch.Tensor, layers: list, *, fold: bool) -> None:
-    """Every layer at the module's rank: one stack per factor. ``fold``: the layers' scales differ, so each
-    goes into its B as PEFT computes it, B in fp32 times its scale, rounded once to the serving dtype."""
-    a_src = [a for a, _, _ in layers]
-    if a_src[0].dtype == a_m.dtype:
-        torch.stack(a_src, out=a_m)
-    else:
-        a_m.copy_(torch.stack(a_src).float())
-    b_src = [b for _, b, _ in layers]
-    if not fold:
-        if b_src[0].dtype == b_m.dtype:
-            torch.stack(b_src, out=b_m)  # [L, out, r]
-        else:
-            b_m.copy_(torch.stack(b_src).float())
-        return
-    scales = torch.tensor([s for _, _, s in layers], dtype=torch.float32).view(-1, 1, 1)
-    b_m.copy_(torch.stack(b_src).float() * scales)
-
-
-_EXPONENT = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00)}
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf: one min/max pass, which propagates both (several times faster on the CPU than
-    ``isfinite``, which converts every element and writes a mask)."""
-    if t.numel() == 0:
-        return True
-    low, high = torch.aminmax(t)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
-
-
 def _check_finite(bad: list[str], factors: dict) -> None:
-    """Name the first non-finite tensor of the modules ``_stack`` flagged (the file's tensors are searched
+    """Name the first non-finite tensor of the modules the stacking flagged (the file's tensors are searched
     only on a failure)."""
     for module in bad:
         for layer, (a, b, _) in sorted(factors[module].items()):
