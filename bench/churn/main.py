@@ -57,6 +57,7 @@ _spec.loader.exec_module(lora_bench)  # the S-LoRA trace generator of the multi-
 RANKS = (8, 16, 32, 64)
 BACKGROUND = 64  # the full decode batch of other tenants (8 with --quick)
 sys.path.insert(0, str(HERE))
+from peft_anchor import peft_row  # noqa: E402
 from probes import StepClock, triton_compiled  # noqa: E402
 from resident import decode_under_loads  # noqa: E402
 from summary import report  # noqa: E402
@@ -89,6 +90,8 @@ class Bench:
         self.args = args
         self.reader = read_file
         self.background = 8 if self.quick else BACKGROUND
+        self.slora_folders: dict[str, Path] = {}
+        self.slora_adapters: dict[float, list[str]] = {}  # alpha -> each request's adapter key
 
     def adapter_bytes(self, rank: int) -> int:
         return rank * self.row_bytes
@@ -237,6 +240,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
     folders = write_adapter_files(
         b, b.tmp / "slora", {f"s{i}": RANKS[i % 4] for i in used}, drop=False, link=True
     )
+    b.slora_folders = folders  # the PEFT anchor reads the same folders
     template = folders[f"s{used[0]}"]
     for i in range(b.args.adapters):  # every adapter registered on the disk tier (unused ones share a folder)
         folder = folders.get(f"s{i}", template)
@@ -245,6 +249,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
         for v in manager.versions.values():  # count this trace's loads only
             v.timings.pop("disk_read", None)
         adapters = [f"s{i}@v1" for i in make_assignment(b.args, n, alpha)]
+        b.slora_adapters[alpha] = adapters
         working = sum(b.adapter_bytes(RANKS[int(a[1:].split("@")[0]) % 4]) for a in set(adapters))
         before = dict(manager.tier_stats())
         r = await serve_trace(engine, arrivals, prompts, lens_out, adapters, manager.tier_of)
@@ -292,6 +297,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--samples", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where adapter files are written (a real disk)")
     parser.add_argument("--from-log", default=None, help="rebuild the report from a bench log's rows only")
+    parser.add_argument(
+        "--peft-requests", type=int, default=8,
+        help="the transformers + PEFT anchor serves this many of the trace's first requests (0: none)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.from_log:
         return from_log(Path(args.from_log), args)
@@ -323,6 +332,14 @@ def run(argv: list[str]) -> dict:
         if step:
             floors["decode_step_ms"] = step[0]["itl_p50_ms"]
         b.free(engine, model)
+    if args.peft_requests and b.slora_adapters:
+        alpha = args.alphas[0]
+        try:
+            rows.append(
+                peft_row(b, trace, b.slora_adapters[alpha], b.slora_folders, alpha, args.peft_requests)
+            )
+        except ImportError as exc:  # an image without peft (see peft-wheels.txt): the other rows stand
+            print(f"transformers + PEFT anchor skipped: {exc}", flush=True)
     return report(rows, floors, b)
 
 
