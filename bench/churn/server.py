@@ -6,10 +6,12 @@ reads ``/health/live`` every 20 ms (the worst answer time is what a kubelet woul
     python bench/churn/server.py --out DIR --quick     # tiny random model on the CPU (checks the path)
     python bench/churn/server.py --out DIR --gpu       # Llama-3-8B shape, random bf16 weights, one GPU
 
+    python bench/churn/server.py --out DIR --quick --admin-s3   # adapters through the admin API from S3
+
 ``--gpu`` writes the model folder (about 16 GB of safetensors) and needs fastapi, uvicorn and pydantic
-(bench/churn/device_server.sh installs them from carried wheels). Adapters come from local folders; the
-admin API takes only ``s3://`` artifacts (signed, pulled into the host cache), so loading them through it
-needs an S3 endpoint and signed versions of every adapter.
+(bench/churn/device_server.sh installs them from carried wheels). By default adapters come from local
+folders (``--adapter NAME=DIR``). ``--admin-s3`` loads them the way a pod does instead: signed artifacts in
+moto's S3 server, pulled, verified and loaded by the admin API (server_admin.py; moto and flask needed).
 """
 
 from __future__ import annotations
@@ -48,19 +50,23 @@ SERVER_ARGS = {  # besides the pool and host-tier sizes
 
 
 @contextlib.contextmanager
-def serve(model_dir: Path, mode: str, adapters: dict[str, Path], pool_bytes: int, host_bytes: int):
-    """A ``loraplane serve`` process; yields its URL once /v1/models lists every adapter."""
+def serve(model_dir: Path, mode: str, adapters: dict[str, Path], pool_bytes: int, host_bytes: int,
+          extra: list[str] = (), env: dict[str, str] | None = None, argv_out: list | None = None):  # fmt: skip
+    """A ``loraplane serve`` process (``extra`` flags and ``env`` added); yields its URL once /v1/models
+    lists every adapter given as a folder."""
     from tests.s3_servers import free_port
 
     port = free_port()
     argv = [sys.executable, "-m", "loraplane.cli", "serve", "--model", str(model_dir), *SERVER_ARGS[mode],
             "--port", str(port), "--served-model-name", "base", "--log-level", "warning",
-            "--gpu-adapter-bytes", str(pool_bytes), "--host-adapter-bytes", str(host_bytes)]  # fmt: skip
+            "--gpu-adapter-bytes", str(pool_bytes), "--host-adapter-bytes", str(host_bytes), *extra]  # fmt: skip
     for name, folder in adapters.items():
         argv += ["--adapter", f"{name}={folder}"]
+    if argv_out is not None:
+        argv_out.extend(argv[1:])
     log = model_dir / f"server-{port}.log"  # its stderr (a pipe nobody reads would fill and block it)
-    process = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL,
-                               stderr=log.open("wb"))  # fmt: skip
+    process = subprocess.Popen(argv, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                               stdout=subprocess.DEVNULL, stderr=log.open("wb"))  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     try:
@@ -150,12 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host-gib", type=float, default=4.0, help="host tier (gpu; below the working set)")
     parser.add_argument("--dir", default=None, help="where the model and adapter folders are written")
+    parser.add_argument(
+        "--admin-s3",
+        action="store_true",
+        help="load the adapters through the admin API from signed S3 artifacts (moto's server)",
+    )
+    parser.add_argument("--admin-adapters", choices=("used", "all"), default=None,
+                        help="with --admin-s3: push and register only the adapters the trace uses, or all "
+                        "(S3 keeps a copy per adapter); default: all (quick), used (gpu)")  # fmt: skip
     args = parser.parse_args(argv)
     mode = "quick" if args.quick else "gpu"
     gpu = mode == "gpu"
     args.requests = args.requests or (100 if gpu else 24)
     args.rate = args.rate or (16.0 if gpu else 8.0)
     args.adapters = args.adapters or (1000 if gpu else 40)
+    args.admin_adapters = args.admin_adapters or ("used" if gpu else "all")
     trace = lora_bench.make_trace(args.requests, args.rate, max_len=512 if gpu else 40)
     assign = {a: [min(int(i), args.adapters - 1) for i in
                   np.floor(np.random.default_rng(1).power(a, args.requests) * args.adapters)] for a in args.alphas}  # fmt: skip
@@ -177,32 +192,64 @@ def main(argv: list[str] | None = None) -> int:
         rows.append({"case": f"server base ({args.requests} req, {args.rate}/s)", "alpha": None,
                      **asyncio.run(run_trace(url, trace, ["base"] * args.requests))})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
-    with serve(work, mode, folders, pool, host) as url:
-        for alpha in args.alphas:
-            models = [f"s{i}" for i in assign[alpha]]
-            rows.append({"case": f"server LoRA alpha={alpha} ({args.requests} req, {len(folders)} adapters on the disk tier)",
-                         "alpha": alpha, "distinct": len(set(models)), **asyncio.run(run_trace(url, trace, models))})  # fmt: skip
-            print(json.dumps(rows[-1]), flush=True)
+    admin: dict = {}
+    rows += lora_rows(args, work, mode, folders, used, (pool, host), trace, assign, admin)
     base = rows[0]
     summary = {f"alpha={r['alpha']}": {"throughput_vs_base": r["tok_s"] / base["tok_s"],
                                        "ttft_p50_vs_base": r["ttft_p50_ms"] / base["ttft_p50_ms"],
                                        "ttft_p99_vs_base": r["ttft_p99_ms"] / base["ttft_p99_ms"]}
                for r in rows[1:]}  # fmt: skip
     summary["health_live_max_ms"] = max(r["health_live_max_ms"] or 0.0 for r in rows)
+    if "admin" in admin:
+        summary["admin_register_s"] = admin["admin"]["admin_register_s"]
     title = "Llama-3-8B shape, random bf16 weights, one GPU" if gpu else "tiny random Llama, CPU, --quick"
+    title += "; adapters through the admin API from S3" if args.admin_s3 else ""
+    stem = "churn-server-admin" if args.admin_s3 else "churn-server"
     result = {"title": f"Adapter churn through loraplane serve ({title})",
               "columns": ["case", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "failed", "health_live_max_ms", "distinct"],
               "rows": rows, "summary": summary,
               "meta": {"working_set_gb": working / 1e9, "gpu_adapter_bytes": pool, "host_adapter_bytes": host,
-                       "device": torch_device()}}  # fmt: skip
+                       "device": torch_device(), **admin}}  # fmt: skip
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "churn-server.json").write_text(json.dumps(result, indent=1, default=str))
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1, default=str))
     from run import markdown
 
-    (out / "churn-server.md").write_text(markdown(result))
+    (out / f"{stem}.md").write_text(markdown(result))
     print(markdown(result))
     return 0 if all(r["failed"] == 0 for r in rows) else 1
+
+
+def lora_rows(args, work: Path, mode: str, folders: dict[str, Path], used: set[int], budgets: tuple[int, int],
+              trace, assign: dict, admin: dict) -> list[dict]:  # fmt: skip
+    """The trace at each alpha on one LoRA server: adapters from local folders, or (``--admin-s3``) pulled
+    from S3 through the admin API after the server started (``admin`` gets the registration's figures)."""
+    rows, argv = [], []
+    with contextlib.ExitStack() as stack:
+        if args.admin_s3:
+            from server_admin import register, s3_adapters
+
+            chosen = (
+                folders if args.admin_adapters == "all" else {f"s{i}": folders[f"s{i}"] for i in sorted(used)}
+            )
+            setup = stack.enter_context(s3_adapters(work, chosen))
+            url = stack.enter_context(serve(work, mode, {}, *budgets, setup.argv, setup.env, argv))
+            admin["admin"] = asyncio.run(register(setup))
+            print(json.dumps(admin["admin"]), flush=True)
+            listed = len(httpx.get(f"{url}/v1/models").json()["data"]) - 1
+            if listed != len(chosen):
+                raise RuntimeError(f"/v1/models lists {listed} adapters after registering {len(chosen)}")
+            how = f"{len(chosen)} adapters loaded through the admin API from S3"
+        else:
+            url = stack.enter_context(serve(work, mode, folders, *budgets, argv_out=argv))
+            how = f"{len(folders)} adapters on the disk tier"
+        admin["server_argv"] = argv
+        for alpha in args.alphas:
+            models = [f"s{i}" for i in assign[alpha]]
+            rows.append({"case": f"server LoRA alpha={alpha} ({args.requests} req, {how})", "alpha": alpha,
+                         "distinct": len(set(models)), **asyncio.run(run_trace(url, trace, models))})  # fmt: skip
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def torch_device() -> str:

@@ -1,12 +1,17 @@
 """Local adapters under churn through the real server: more of them than the GPU pools hold start and answer
-(loaded on demand, only ``:pin`` ones kept resident), and ``/health/live`` answers fast while a load is slow."""
+(loaded on demand, only ``:pin`` ones kept resident), and ``/health/live`` answers fast while a load is slow.
+The churn benchmark's admin mode runs end to end: signed artifacts in moto's S3, loaded by the admin API."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -17,6 +22,7 @@ from tests.engine.test_adapter_churn import GatedReader
 from tests.http.conftest import ServerThread
 
 RANK = 8
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _options(model_dir, adapters, pinned=(), pool_adapters: int = 2) -> serve.ServeOptions:
@@ -112,3 +118,25 @@ def _live_latencies(url: str, n: int = 30) -> list[float]:
 
 def _p90(values: list[float]) -> float:
     return sorted(values)[int(0.9 * (len(values) - 1))]
+
+
+def test_churn_bench_loads_its_adapters_through_the_admin_api_from_s3(tmp_path):
+    """``bench/churn/server.py --quick --admin-s3``: every adapter packed, signed, pushed to moto's S3 server,
+    pulled and loaded by ``PUT /admin/adapters`` (no ``--adapter`` flag), each weights file cached once, and
+    the trace's requests for them all answered."""
+    n = 6
+    argv = [sys.executable, str(ROOT / "bench" / "churn" / "server.py"), "--quick", "--admin-s3",
+            "--requests", "8", "--adapters", str(n), "--alphas", "1.0", "--out", str(tmp_path / "out"),
+            "--dir", str(tmp_path)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "out" / "churn-server-admin.json").read_text())
+    assert [r["failed"] for r in result["rows"]] == [0, 0] and result["rows"][1]["distinct"] > 1
+    admin, server_argv = result["meta"]["admin"], result["meta"]["server_argv"]
+    assert "--adapter" not in server_argv and "--admin-port" in server_argv
+    assert "--trusted-keys-dir" in server_argv and not any("testing" in a for a in server_argv)
+    assert admin["admin_adapters"] == admin["admin_warm"] == admin["artifacts"] == n
+    assert admin["admin_digests_match"] and admin["admin_register_s"] > 0
+    # two ranks: one weights file and one config per rank in the host cache, whatever the adapter count
+    assert admin["host_cache_blobs"] == 4 and admin["s3_bytes"] > 2 * admin["host_cache_bytes"]
