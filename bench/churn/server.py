@@ -165,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --admin-s3: push and register only the adapters the trace uses, or all "
                         "(S3 keeps a copy per adapter); default: all (quick), used (gpu)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.admin_adapters is not None and not args.admin_s3:
+        parser.error("--admin-adapters: only with --admin-s3")
     mode = "quick" if args.quick else "gpu"
     gpu = mode == "gpu"
     args.requests = args.requests or (100 if gpu else 24)

@@ -95,7 +95,8 @@ def _publish(
     signed = sign_folder(folder, private_pem)
     uri = f"s3://{BUCKET}/{name}/{VERSION}/"
     pushed = push_folder(folder, uri, s3_client=client)
-    assert pushed["digest"] == signed["digest"], (pushed, signed)
+    if pushed["digest"] != signed["digest"]:
+        raise RuntimeError(f"{name}: pushed {pushed['digest']}, signed {signed['digest']}")
     return uri, signed["digest"]
 
 
