@@ -7,6 +7,8 @@ gate opens), so every wait is deterministic."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hashlib
 import os
 import threading
 import time
@@ -231,6 +233,43 @@ def test_a_reload_of_an_unwritten_file_skips_the_hash_and_a_write_is_still_caugh
             os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # the same size and mtime as before
             with pytest.raises(RequestError, match="ChecksumMismatch"):
                 await reload(engine)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_reload_does_not_wait_on_the_engine_thread_for_the_first_reads_hash(adapters, tmp_path):
+    """A version whose first read is still being hashed and whose host copy is gone is reloaded only once
+    that hash is known (the reload is checked against it), but the engine thread never blocks for it: it
+    looks again at its next pass. Here the hash is held back for 1.5 s; the engine thread's call returns at
+    once, and the request is served with the same tokens once the hash is in."""
+    base, folders = adapters
+    folder = tmp_path / "cold"
+    folder.mkdir()
+    for f in folders["cold1"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    digest = "sha256:" + hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest()
+
+    async def main():
+        engine = make_async(base, max_loras=1, max_lora_rank=8)
+        lora = engine.engine.runner.lora
+        try:
+            await engine.load_adapter("cold", "v1", folder, "sha256:cold", on_disk=True)
+            first = await collect(engine, "cold@v1")
+            await load_all(engine, folders, ("hot",))
+            assert len(await collect(engine, "hot@v1")) == GREEDY.max_tokens  # takes the GPU from cold
+            to_disk(engine, "cold")
+            held: concurrent.futures.Future = concurrent.futures.Future()
+            with lora.lock:
+                v = lora.versions["cold@v1"]
+                v.sha256, v.hashing, v.file_id = None, held, None  # as if the first read's hash still ran
+            threading.Timer(1.5, held.set_result, args=((digest, 0.1),)).start()
+            start = time.perf_counter()
+            ready = await engine._on_engine_thread(lambda: lora._advance("cold@v1"))
+            waited = time.perf_counter() - start
+            assert not ready and waited < 1.0, f"the engine thread waited {waited:.2f} s for a hash"
+            assert await asyncio.wait_for(collect(engine, "cold@v1"), 30) == first
         finally:
             await engine.aclose()
 
