@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,6 +56,7 @@ def s3_adapters(work: Path, folders: dict[str, Path], threads: int = 8):
     from loraplane.artifacts.signing import generate_keypair
     from tests.s3_servers import free_port, moto_server
 
+    _check_room(folders)
     private_pem, public_pem = generate_keypair()
     keys, trusted, cache = work / "signing", work / "trusted-keys", work / "host-cache"
     for folder in (keys, trusted, cache):
@@ -79,6 +82,16 @@ def s3_adapters(work: Path, folders: dict[str, Path], threads: int = 8):
         stats = {"pack_sign_push_s": round(time.perf_counter() - started, 2), "artifacts": len(artifacts),
                  "s3_bytes": s3_bytes}  # fmt: skip
         yield AdminSetup(argv, env, artifacts, cache, s3, stats)
+
+
+def _check_room(folders: dict[str, Path]) -> None:
+    """moto spills each object to a file in the temp folder: refuse before pushing what cannot fit."""
+    need = sum((f / n).stat().st_size for f in folders.values() for n in ("adapter_config.json",
+               "adapter_model.safetensors"))  # fmt: skip
+    free = shutil.disk_usage(tempfile.gettempdir()).free
+    if need > 0.9 * free:
+        raise RuntimeError(f"admin_adapters: {len(folders)} artifacts need {need / 1e9:.1f} GB in S3, "
+                           f"{tempfile.gettempdir()} has {free / 1e9:.1f} GB free (try --admin-adapters used)")  # fmt: skip
 
 
 def _publish(
