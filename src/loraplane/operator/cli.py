@@ -111,12 +111,13 @@ def _parser() -> argparse.ArgumentParser:
 def run(args) -> int:
     import kopf
 
-    from loraplane.operator import handlers  # noqa: F401  (registers the handlers)
+    from loraplane.operator import allocator, handlers  # noqa: F401  (handlers: registers the handlers)
     from loraplane.operator.context import Context
     from loraplane.operator.kube import Kube, load_api_client
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
+    allocator.release_large_blocks()  # else RSS ratchets up at every burst of connections
     if args.metrics_port:
         from prometheus_client import start_http_server
 
