@@ -1,7 +1,7 @@
 """Real PEFT adapters for the engine's tests: saved by peft itself from a tiny base, random (non-zero) B.
 
 ADAPTER_SPECS covers what the engine must reproduce exactly: ranks 8, 16 and 64, rsLoRA, rank_pattern +
-alpha_pattern, a q,v-only adapter (k stays at zero delta) and an MLP-only one.
+alpha_pattern, a q,v-only adapter (k stays at zero delta) and an MLP-only one, these two with a scale per module.
 """
 
 from __future__ import annotations
@@ -20,8 +20,14 @@ ADAPTER_SPECS: dict[str, dict] = {
         rank_pattern={"layers.0.self_attn.q_proj": 4, "down_proj": 12},
         alpha_pattern={"o_proj": 3, "layers.1.self_attn.k_proj": 40},
     ),
-    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"]),
-    "mlp": dict(r=16, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"]),
+    # Different scales for modules that share one launch (q and v; gate and up): each slot applies its own.
+    "qv": dict(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], alpha_pattern={"v_proj": 32}),
+    "mlp": dict(
+        r=16,
+        lora_alpha=16,
+        target_modules=["gate_proj", "up_proj", "down_proj"],
+        alpha_pattern={"up_proj": 48},
+    ),
 }
 
 

@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from loraplane.engine.api import AdapterError
 from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.engine.core.config import EngineConfig
 from loraplane.engine.core.errors import RequestError
 from loraplane.engine.core.llm_engine import LLMEngine
 from loraplane.engine.core.sequence import SamplingParams
 from loraplane.engine.lora.safetensors_io import read_file
+from loraplane.engine.lora.weights import SETTLE_NS
 from tests.engine.peft_adapters import save_peft_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -203,7 +205,7 @@ def test_a_disk_registered_adapter_is_held_to_the_bytes_of_its_first_read(adapte
 def test_a_reload_of_an_unwritten_file_skips_the_hash_and_a_write_is_still_caught(adapters, tmp_path):
     """A file that has the identity (inode, size, mtime, ctime) it had when it last hashed to the version's
     digest is not hashed again on a reload; a write is caught even with its mtime put back, since the ctime
-    cannot be put back."""
+    cannot be put back. A file changed less than a timestamp tick ago is never trusted by its identity."""
     base, folders = adapters
     folder = tmp_path / "cold"
     folder.mkdir()
@@ -223,6 +225,10 @@ def test_a_reload_of_an_unwritten_file_skips_the_hash_and_a_write_is_still_caugh
         try:
             await engine.load_adapter("cold", "v1", folder, "sha256:cold", on_disk=True)
             first = await collect(engine, "cold@v1")  # the first read: hashed off the load's path
+            assert await reload(engine) == first
+            assert lora.versions["cold@v1"].timings["disk_hash"] > 0, "a file written just now was trusted"
+            await asyncio.sleep(SETTLE_NS / 1e9 + 0.1)  # older than any timestamp tick now
+            assert await reload(engine) == first  # hashed once more: its identity is kept this time
             for _ in range(2):
                 assert await reload(engine) == first
                 assert lora.versions["cold@v1"].timings["disk_hash"] == 0.0, "an unwritten file hashed again"
@@ -265,8 +271,13 @@ def test_a_reload_does_not_wait_on_the_engine_thread_for_the_first_reads_hash(ad
                 v = lora.versions["cold@v1"]
                 v.sha256, v.hashing, v.file_id = None, held, None  # as if the first read's hash still ran
             threading.Timer(1.5, held.set_result, args=((digest, 0.1),)).start()
+
+            def advance() -> bool:
+                with lora.lock:
+                    return lora._advance("cold@v1")
+
             start = time.perf_counter()
-            ready = await engine._on_engine_thread(lambda: lora._advance("cold@v1"))
+            ready = await engine._on_engine_thread(advance)
             waited = time.perf_counter() - start
             assert not ready and waited < 1.0, f"the engine thread waited {waited:.2f} s for a hash"
             assert await asyncio.wait_for(collect(engine, "cold@v1"), 30) == first
@@ -274,6 +285,52 @@ def test_a_reload_does_not_wait_on_the_engine_thread_for_the_first_reads_hash(ad
             await engine.aclose()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["warm", "request"])
+def test_a_reload_after_the_first_reads_hash_is_checked_against_it(adapters, tmp_path, how):
+    """Whether a warm-up (which blocks for the hash) or a request (which looks again later) brings it back, a
+    reload is held to the first read's digest: a right one serves the adapter, a wrong one fails it by name."""
+    base, folders = adapters
+
+    async def main(right: bool):
+        folder = tmp_path / f"cold-{right}"
+        folder.mkdir()
+        for f in folders["cold1"].iterdir():
+            (folder / f.name).write_bytes(f.read_bytes())
+        data = (folder / "adapter_model.safetensors").read_bytes()
+        digest = "sha256:" + hashlib.sha256(data if right else data + b"x").hexdigest()
+        engine = make_async(base, max_loras=1, max_lora_rank=8)
+        lora = engine.engine.runner.lora
+        try:
+            await engine.load_adapter("cold", "v1", folder, "sha256:cold", on_disk=True)
+            first = await collect(engine, "cold@v1")
+            await load_all(engine, folders, ("hot",))
+            assert len(await collect(engine, "hot@v1")) == GREEDY.max_tokens  # takes the GPU from cold
+            to_disk(engine, "cold")
+            held: concurrent.futures.Future = concurrent.futures.Future()
+            with lora.lock:
+                v = lora.versions["cold@v1"]
+                v.sha256, v.hashing, v.file_id = None, held, None  # as if the first read's hash still ran
+            threading.Timer(0.5, held.set_result, args=((digest, 0.1),)).start()
+            if how == "warm":
+                if right:
+                    await engine.warm_adapter("cold", "v1")
+                    assert lora.tier_of("cold@v1") == "gpu"
+                else:
+                    with pytest.raises(AdapterError, match="ChecksumMismatch"):
+                        await engine.warm_adapter("cold", "v1")
+                    return
+            if right:
+                assert await asyncio.wait_for(collect(engine, "cold@v1"), 30) == first
+            else:
+                with pytest.raises(RequestError, match="ChecksumMismatch"):
+                    await asyncio.wait_for(collect(engine, "cold@v1"), 30)
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main(True))
+    asyncio.run(main(False))
 
 
 def test_loop_sleeps_while_every_request_waits_for_an_adapter(adapters):

@@ -160,3 +160,18 @@ def test_pickle_and_corrupt_files_are_refused(tmp_path, cfg):
     with pytest.raises(AdapterError, match="adapter_config.json") as err:
         load_adapter_weights(folder, cfg, max_rank=64)
     assert err.value.reason == "BadAdapterFile"
+
+
+@pytest.mark.parametrize(
+    "config, b_value",
+    [({"lora_alpha": 4e40}, 1.0), ({"lora_alpha": 8}, 3e38)],
+    ids=["scale beyond float32", "scale times B beyond the dtype"],
+)
+def test_a_slot_scale_that_would_overflow_is_refused_by_name(tmp_path, cfg, config, b_value):
+    """The scale is applied per slot in fp32 rather than folded into B on the host; a scale or a scaled B that
+    the serving dtype cannot hold is refused at load, as the fold's overflow to Inf was."""
+    tensors = {key(0, "q_proj", "A"): torch.ones(4, H), key(0, "q_proj", "B"): torch.full((Q, 4), b_value)}
+    folder = write(tmp_path / "big", config, tensors)
+    with pytest.raises(AdapterError, match="q_proj: lora_B times its scale overflows") as err:
+        load_adapter_weights(folder, cfg, max_rank=64, dtype=torch.bfloat16)
+    assert err.value.reason == "NonFiniteWeights"

@@ -130,10 +130,11 @@ def test_gpu_an_arena_dropped_without_close_unlocks_its_pages_and_leaves_no_erro
     raised by whichever CUDA call comes next."""
     for _ in range(4):  # the same size each time, so the kernel hands back the same addresses
         arena = PinnedArena(256 * ALIGN, pin=True)
-        assert arena.pinned
+        assert arena.pinned and arena._unlock is not None, "registered with cudaHostRegister, not a fallback"
         block = arena.take(ALIGN)
         block.fill_(3)
         on_device = block.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()  # the copy has read the block before the arena goes
         del arena, block
         gc.collect()
         assert int(on_device.sum()) == 3 * ALIGN

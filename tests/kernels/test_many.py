@@ -38,7 +38,7 @@ def _pools(device: str, layers: int = 2, dtype=torch.float32):
                             device=device)  # fmt: skip
     for slot, ranks in ADAPTERS.items():
         for m, r in ranks.items():
-            pools[m].allocate(r, 0.25 + slot, slot=slot)
+            pools[m].allocate(r, 0.25 + slot + 0.5 * list(WIDTHS).index(m), slot=slot)
             for layer in range(layers):
                 a = torch.randn(r, IN, generator=g)
                 pools[m].write(slot, layer, m, 0, a, torch.randn(WIDTHS[m], r, generator=g))

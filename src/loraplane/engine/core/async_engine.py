@@ -242,11 +242,15 @@ class AsyncEngine(AdapterCommands):
             raise EngineDeadError("engine is closed")
 
     def close(self) -> None:
-        """Stop the loop thread; open streams raise EngineDeadError."""
+        """Stop the loop thread, then the adapter tiers' loader and host arena; open streams raise
+        EngineDeadError."""
         with self._cond:
             self._closed = True
             self._cond.notify()
         self._thread.join()
+        tiers = getattr(self.engine.runner, "lora", None)  # runners without adapters have none
+        if tiers is not None:
+            tiers.close()
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)

@@ -359,6 +359,11 @@ class AdapterTiers(TierMoves):
         return {m: meta if modules is None or m in modules else None for m in self.gpu.pools}
 
     def close(self) -> None:
+        """Stop the loader and unlock the host arena, once every copy from it has landed (the engine's
+        thread has stopped: nothing starts another)."""
         self.loader.close()
+        with self.lock:
+            for key in list(self.gpu._pending):
+                self.gpu.wait(key)
         if self.arena is not None:
             self.arena.close()

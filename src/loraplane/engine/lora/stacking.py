@@ -4,6 +4,7 @@ release the GIL, with one NaN/Inf check per factor. ``weights.py`` reads, valida
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -101,12 +102,16 @@ def stack_factors(
 
 
 def _gather(out: AdapterWeights, jobs: dict) -> tuple[AdapterWeights, list]:
-    """Each module fill's (finite, scale left to the slot or None) into ``out``; the non-finite modules."""
+    """Each module fill's (finite, scale left to the slot or None, B's largest magnitude) into ``out``; the
+    modules whose values are not all finite, or whose slot scale times B would overflow the serving dtype
+    (as folding it into B would have)."""
     bad = []
     for m, job in jobs.items():
-        finite, scale = job.result()
+        finite, scale, b_peak = job.result()
         if scale is not None:
             out.scales[m] = scale
+            fits = abs(scale) <= torch.finfo(torch.float32).max  # a float32 slot scale; False for NaN
+            finite = finite and fits and abs(scale) * b_peak <= torch.finfo(out.b[m].dtype).max
         if not finite:
             bad.append(m)
     return out, bad
@@ -119,18 +124,18 @@ def stack_known(
     ranks = {m.name: m.a.numel // shapes[m.name][0] for m in layout.modules}
     out = _carve(ranks, shapes, num_layers, layout.dtype, alloc)
 
-    def one(module) -> tuple[bool, float | None]:
+    def one(module) -> tuple[bool, float | None, float]:
         scale = fill(layout, data, out.a, out.b, module)
-        return _all_finite(out.a[module.name]) and _all_finite(out.b[module.name]), scale
+        return _checked(out.a[module.name], out.b[module.name], scale)
 
     return _gather(out, {m.name: _STACKER.submit(one, m) for m in layout.modules})
 
 
 def _fill(
     a_m: torch.Tensor, b_m: torch.Tensor, layers: dict, num_layers: int, r_m: int
-) -> tuple[bool, float | None]:
-    """One module's stacked A [L, r_m, in] and B [L, out, r_m]; whether every value is finite, and the
-    layers' one scale when they share it (B left unscaled for the slot to apply), else None (folded)."""
+) -> tuple[bool, float | None, float]:
+    """One module's stacked A [L, r_m, in] and B [L, out, r_m], then ``_checked``'s verdict on them: the layers'
+    one scale when they share it (B left unscaled for the slot to apply), else None (folded)."""
     scale = shared_scale([s for _, _, s in layers.values()])
     if len(layers) == num_layers and all(a.shape[0] == r_m for a, _, _ in layers.values()):
         _stack_uniform(a_m, b_m, [layers[i] for i in range(num_layers)], fold=scale is None)
@@ -140,7 +145,7 @@ def _fill(
         for layer, (a, b, s) in layers.items():
             a_m[layer, : a.shape[0]] = a.float().to(a_m.dtype)
             b_m[layer, :, : a.shape[0]] = (b if scale is not None else b.float() * s).to(b_m.dtype)
-    return _all_finite(a_m) and _all_finite(b_m), scale
+    return _checked(a_m, b_m, scale)
 
 
 def _one_thread_on_gpu_hosts() -> None:
@@ -174,10 +179,23 @@ def _stack_uniform(a_m: torch.Tensor, b_m: torch.Tensor, layers: list, *, fold: 
     b_m.copy_(torch.stack(b_src).float() * scales)
 
 
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf: one min/max pass, which propagates both (several times faster on the CPU than
-    ``isfinite``, which converts every element and writes a mask)."""
+def _checked(a: torch.Tensor, b: torch.Tensor, scale: float | None) -> tuple[bool, float | None, float]:
+    """(every value of A and B finite, ``scale``, B's largest magnitude): one min/max pass per factor."""
+    b_peak = _finite_peak(b)
+    return _finite_peak(a) is not None and b_peak is not None, scale, b_peak or 0.0
+
+
+def _finite_peak(t: torch.Tensor) -> float | None:
+    """The largest magnitude in ``t``, or None when it holds a NaN or an Inf: one min/max pass, which
+    propagates both (several times faster on the CPU than ``isfinite``, which writes a mask)."""
     if t.numel() == 0:
-        return True
-    low, high = torch.aminmax(t)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))
+        return 0.0
+    low, high = (float(x) for x in torch.aminmax(t))
+    if not (math.isfinite(low) and math.isfinite(high)):
+        return None
+    return max(abs(low), abs(high))
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf."""
+    return _finite_peak(t) is not None

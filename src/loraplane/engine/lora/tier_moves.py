@@ -74,6 +74,8 @@ class TierMoves:
             v.timings.update({f"disk_{k}": t for k, t in weights.timings.items()})
             if v.sha256 is None:  # registered on disk: its first read fixes the bytes (hashed off this path)
                 v.sha256, v.hashing = weights.sha256, weights.hashing
+                if v.hashing is not None:  # a reload waiting for it is noticed at once
+                    v.hashing.add_done_callback(lambda _done: self._loaded())
             # What this read hashed to (or the first read's hash, still running, will): a later read of
             # the same unwritten file need not hash it again.
             v.file_id = weights.file_id
@@ -120,6 +122,8 @@ class TierMoves:
                 while not self._advance(key, queued=False):
                     if v.loading is not None:
                         v.loading.exception()  # wait for the parse
+                    elif v.hashing is not None and not v.hashing.done():
+                        v.hashing.exception()  # a reload is checked against the first read's hash
                     elif self.gpu.holds(key):
                         self.gpu.wait(key)
                     else:

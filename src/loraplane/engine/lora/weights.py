@@ -82,7 +82,7 @@ def load_adapter_weights(
     read: Reader = read_file, sha256: str | None = None, alloc: Alloc | None = None,
     file_id: tuple | None = None,
 ) -> AdapterWeights:  # fmt: skip
-    """Parse, validate and scale one PEFT folder; raises AdapterError naming the field / file / tensor.
+    """Parse and validate one PEFT folder; raises AdapterError naming the field / file / tensor.
 
     One read of the weights file (``read``), views of its tensors, then per module one stack of A, one of B
     and one scale multiply: a few large ops that release the GIL, whatever the number of layers. The result
@@ -102,9 +102,10 @@ def load_adapter_weights(
     try:
         before = file_identity(path)
         buf = read(path)
-        unchanged = sha256 is not None and file_id is not None and before == file_id == file_identity(path)
     except OSError as exc:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
+    settled = _settled(path, before)
+    unchanged = sha256 is not None and settled and before == file_id
     timings["read"] = (t1 := time.perf_counter()) - t0
     shapes, alloc = module_shapes(cfg), alloc or new_buffer(pin)
     key = header_key(buf, repr(config), tuple(shapes.items()), cfg.num_layers, max_rank, dtype)
@@ -124,7 +125,7 @@ def load_adapter_weights(
         _check_finite(bad, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
-    out.timings, out.file_id = timings, before
+    out.timings, out.file_id = timings, before if settled else None
     if sha256 is None:  # nothing to check it against: the hash finishes off the load's path (``digest()``)
         out.hashing = hashing
         return out
@@ -158,6 +159,20 @@ def file_identity(path: Path) -> tuple[int, int, int, int, int]:
     The ctime cannot be set back from user space, so restoring the mtime after a write does not hide it."""
     st = os.stat(path)
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+SETTLE_NS = 2_000_000_000  # coarser than any file system's timestamp tick (1 s on some, 4 ms on most)
+
+
+def _settled(path: Path, before: tuple) -> bool:
+    """The file kept its identity through the read, and its last change is older than any timestamp tick:
+    a write in the same tick as the change that gave it that identity would not change it again (git's
+    "racily clean" rule), so a file changed just now is never trusted by its identity."""
+    try:
+        after = file_identity(path)
+    except OSError:  # gone just after the read: the read stands, its identity does not
+        return False
+    return after == before and time.time_ns() - max(before[3], before[4]) > SETTLE_NS
 
 
 def _sha256(buf: memoryview) -> tuple[str, float]:
