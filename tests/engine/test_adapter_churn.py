@@ -245,32 +245,46 @@ def test_a_reload_of_an_unwritten_file_skips_the_hash_and_a_write_is_still_caugh
     asyncio.run(main())
 
 
+def copy_of(folders: dict[str, Path], folder: Path, digest_suffix: bytes = b"") -> str:
+    """``cold1``'s files in ``folder``; the digest of its weights (of other bytes with ``digest_suffix``)."""
+    folder.mkdir()
+    for f in folders["cold1"].iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    data = (folder / "adapter_model.safetensors").read_bytes()
+    return "sha256:" + hashlib.sha256(data + digest_suffix).hexdigest()
+
+
+async def cold_with_its_hash_held(engine, folders, folder: Path, digest: str, after_s: float) -> list[int]:
+    """Load ``cold`` from ``folder`` on the disk tier, serve it once, push it off the GPU and the host, and
+    make its first read's hash look unfinished until ``after_s`` from now, when it gives ``digest``. Returns
+    the first answer's tokens."""
+    lora = engine.engine.runner.lora
+    await engine.load_adapter("cold", "v1", folder, "sha256:cold", on_disk=True)
+    first = await collect(engine, "cold@v1")
+    await load_all(engine, folders, ("hot",))
+    assert len(await collect(engine, "hot@v1")) == GREEDY.max_tokens  # takes the GPU from cold
+    to_disk(engine, "cold")
+    held: concurrent.futures.Future = concurrent.futures.Future()
+    with lora.lock:
+        v = lora.versions["cold@v1"]
+        v.sha256, v.hashing, v.file_id = None, held, None  # as if the first read's hash still ran
+    threading.Timer(after_s, held.set_result, args=((digest, 0.1),)).start()
+    return first
+
+
 def test_a_reload_does_not_wait_on_the_engine_thread_for_the_first_reads_hash(adapters, tmp_path):
     """A version whose first read is still being hashed and whose host copy is gone is reloaded only once
     that hash is known (the reload is checked against it), but the engine thread never blocks for it: it
     looks again at its next pass. Here the hash is held back for 1.5 s; the engine thread's call returns at
     once, and the request is served with the same tokens once the hash is in."""
     base, folders = adapters
-    folder = tmp_path / "cold"
-    folder.mkdir()
-    for f in folders["cold1"].iterdir():
-        (folder / f.name).write_bytes(f.read_bytes())
-    digest = "sha256:" + hashlib.sha256((folder / "adapter_model.safetensors").read_bytes()).hexdigest()
+    digest = copy_of(folders, tmp_path / "cold")
 
     async def main():
         engine = make_async(base, max_loras=1, max_lora_rank=8)
         lora = engine.engine.runner.lora
         try:
-            await engine.load_adapter("cold", "v1", folder, "sha256:cold", on_disk=True)
-            first = await collect(engine, "cold@v1")
-            await load_all(engine, folders, ("hot",))
-            assert len(await collect(engine, "hot@v1")) == GREEDY.max_tokens  # takes the GPU from cold
-            to_disk(engine, "cold")
-            held: concurrent.futures.Future = concurrent.futures.Future()
-            with lora.lock:
-                v = lora.versions["cold@v1"]
-                v.sha256, v.hashing, v.file_id = None, held, None  # as if the first read's hash still ran
-            threading.Timer(1.5, held.set_result, args=((digest, 0.1),)).start()
+            first = await cold_with_its_hash_held(engine, folders, tmp_path / "cold", digest, 1.5)
 
             def advance() -> bool:
                 with lora.lock:
@@ -295,24 +309,11 @@ def test_a_reload_after_the_first_reads_hash_is_checked_against_it(adapters, tmp
 
     async def main(right: bool):
         folder = tmp_path / f"cold-{right}"
-        folder.mkdir()
-        for f in folders["cold1"].iterdir():
-            (folder / f.name).write_bytes(f.read_bytes())
-        data = (folder / "adapter_model.safetensors").read_bytes()
-        digest = "sha256:" + hashlib.sha256(data if right else data + b"x").hexdigest()
+        digest = copy_of(folders, folder, b"" if right else b"x")
         engine = make_async(base, max_loras=1, max_lora_rank=8)
         lora = engine.engine.runner.lora
         try:
-            await engine.load_adapter("cold", "v1", folder, "sha256:cold", on_disk=True)
-            first = await collect(engine, "cold@v1")
-            await load_all(engine, folders, ("hot",))
-            assert len(await collect(engine, "hot@v1")) == GREEDY.max_tokens  # takes the GPU from cold
-            to_disk(engine, "cold")
-            held: concurrent.futures.Future = concurrent.futures.Future()
-            with lora.lock:
-                v = lora.versions["cold@v1"]
-                v.sha256, v.hashing, v.file_id = None, held, None  # as if the first read's hash still ran
-            threading.Timer(0.5, held.set_result, args=((digest, 0.1),)).start()
+            first = await cold_with_its_hash_held(engine, folders, folder, digest, 0.5)
             if how == "warm":
                 if right:
                     await engine.warm_adapter("cold", "v1")
