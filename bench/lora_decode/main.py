@@ -254,7 +254,7 @@ def run(argv: list[str]) -> dict:
         "mixed: 32 base-only rows, 32 adapters r8-64",
         [None if i % 2 == 0 else f"m{i // 2}@v1" for i in range(B)],
     )
-    if device.type == "cuda":  # where the device time of a step goes (LoRA kernels, the rest, gaps)
+    if device.type == "cuda":  # where a step's GPU time goes (LoRA kernels, the rest, gaps)
         for case, engine, ads in (("profile: base engine", base, [None] * B), ("profile: 64 distinct r16", runner, d64),
                                   ("profile: 64 distinct q,v-only r8", runner, [f"qv{i}@v1" for i in range(B)])):  # fmt: skip
             batch = decode_batch(engine, ads)

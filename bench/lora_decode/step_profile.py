@@ -1,4 +1,4 @@
-"""Where a decode step's device time goes: one forward (CUDA-graph replay) under torch.profiler, its
+"""Where a decode step's GPU time goes: one forward (CUDA-graph replay) under torch.profiler, its
 kernels split into the multi-LoRA kernels and everything else, and the idle time between them."""
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def timed_ms(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
 
 
 def print_profile(fn) -> None:
-    """Where sample()'s time goes: host and device time by op, over ten calls after a warm-up."""
+    """Where sample()'s time goes: host and GPU time by op, over ten calls after a warm-up."""
     fn()
     with torch.profiler.profile() as prof:
         for _ in range(10):

@@ -363,7 +363,6 @@ class AdapterTiers(TierMoves):
         thread has stopped: nothing starts another)."""
         self.loader.close()
         with self.lock:
-            for key in list(self.gpu._pending):
-                self.gpu.wait(key)
+            self.gpu.wait_all()
         if self.arena is not None:
             self.arena.close()

@@ -13,15 +13,8 @@ import torch
 
 from loraplane.engine.lora.layout import Layout, fill, shared_scale
 
-TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-)  # packing order
+# PEFT names, in packing order
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 Alloc = Callable[[int], torch.Tensor]  # nbytes -> a uint8 host tensor the result is carved from
 
 
@@ -194,8 +187,3 @@ def _finite_peak(t: torch.Tensor) -> float | None:
     if not (math.isfinite(low) and math.isfinite(high)):
         return None
     return max(abs(low), abs(high))
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """No NaN or Inf."""
-    return _finite_peak(t) is not None

@@ -58,9 +58,8 @@ class TierMoves:
         if weights is None:
             if v.loading is None:
                 if v.hashing is not None and not v.hashing.done():
-                    return (
-                        False  # the reload is checked against the first read's hash: never wait for it here
-                    )
+                    # The reload is checked against the first read's hash: never wait for it here.
+                    return False
                 v.loading = self.loader.submit(key, v.folder, known_sha256(v), v.file_id)
             if not v.loading.done():
                 return False

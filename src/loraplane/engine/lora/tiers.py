@@ -178,6 +178,11 @@ class GpuTier:
         if pending is not None:
             pending[0].synchronize()
 
+    def wait_all(self) -> None:
+        """Every copy still in flight has landed."""
+        for key in list(self._pending):
+            self.wait(key)
+
     def evict(self, key: str) -> None:
         self.wait(key)
         if self.mirror is not None:  # TP hook

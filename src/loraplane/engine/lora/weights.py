@@ -30,7 +30,14 @@ from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, pars
 from loraplane.engine.api import AdapterError
 from loraplane.engine.lora.layout import Layouts, header_key, layout_of
 from loraplane.engine.lora.safetensors_io import Reader, SafetensorsFormatError, parse, read_file, read_header
-from loraplane.engine.lora.stacking import AdapterWeights, Alloc, new_buffer, stack_factors, stack_known
+from loraplane.engine.lora.stacking import (
+    TARGET_MODULES,
+    AdapterWeights,
+    Alloc,
+    new_buffer,
+    stack_factors,
+    stack_known,
+)
 from loraplane.engine.model.model_config import ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -38,7 +45,6 @@ WEIGHTS_FILE = "adapter_model.safetensors"
 _PICKLE_FILES = ("adapter_model.bin", "adapter_model.pt", "adapter_model.pth")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn"}
 _PARENT |= {"gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-TARGET_MODULES = tuple(_PARENT)  # PEFT names, in packing order (stacking.TARGET_MODULES)
 _KEY = re.compile(r"^base_model\.model\.(model\.layers\.(\d+)\.(\w+)\.(\w+))\.lora_(A|B)\.weight$")
 
 
