@@ -83,6 +83,16 @@ def test_a_lazy_put_pulls_nothing_and_the_first_request_serves_like_an_eager_loa
     assert tokens_of(complete(world, MODEL_NAME))[1] != pytest.approx(logprobs, abs=1e-5)  # the adapter acts
 
 
+def test_a_later_eager_put_pulls_and_warms_a_lazy_version(clean, engine):
+    world = clean
+    put_lazy(world, "support")
+    warm = world.put("support", world.published["support-v1"], warm="host")
+    assert warm.status_code == 200, warm.text
+    assert (warm.json()["state"], warm.json()["tier"]) == ("warm", "gpu")
+    assert weights_gets(world, "support") == 1  # pulled by the warm-up, once
+    assert len(tokens_of(complete(world, "support"))[1]) == 6
+
+
 def test_two_lazy_pulls_run_at_once_while_a_resident_adapter_serves(clean, engine):
     world = clean
     assert world.put("tenant-b", world.published["tenant-b-v1"]).status_code == 200

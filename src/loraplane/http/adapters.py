@@ -14,6 +14,7 @@ the next PUT tries again. Timings of each phase are kept per entry and observed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -211,7 +212,7 @@ class AdapterRegistry:
         try:
             local = self._pull(entry.spec)
         except Exception as exc:
-            loop.call_soon_threadsafe(self._refused, entry, exc)
+            _tell(loop, self._refused, entry, exc)
             raise  # the engine fails the version's requests with its reason
         with entry.hold_lock:
             kept = not entry.let_go
@@ -220,7 +221,7 @@ class AdapterRegistry:
         if not kept:
             self._release(local.digest)
             raise AdapterError("AdapterNotFound", f"{entry.key} was unloaded while it was pulled")
-        loop.call_soon_threadsafe(self._pulled, entry, local)
+        _tell(loop, self._pulled, entry, local)
         return local.path, local.digest
 
     def _pulled(self, entry: Entry, local) -> None:
@@ -307,6 +308,12 @@ async def unload_from(engine, name: str, version: str | None) -> list[str]:
         if exc.reason == "AdapterNotFound":
             return []
         raise
+
+
+def _tell(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    """Run ``fn(*args)`` on the registry's event loop (from a loader thread); dropped once it has closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
 
 
 def _fields(spec: LoadSpec) -> dict:

@@ -91,10 +91,11 @@ class AdapterCommands:
                            only_if_room: bool = False) -> AdapterInfo:  # fmt: skip
         """Make it GPU-resident and run one real forward through it (finite logits, else WarmFailed).
         ``only_if_room``: skip it (it stays on its tier, loaded on demand) unless the pools have free room.
-        A disk or remote version is read (or pulled) on a loader worker first, while the engine serves on."""
+        A disk or remote version is read (or pulled) on a loader worker first, while the engine serves on
+        (``only_if_room``, a start-up warm-up, asks the engine thread about room first and reads there)."""
         lora, key = self._lora("adapter"), adapter_key(name, version)
         lora.get(key)
-        if gpu and not (only_if_room and not lora.has_room_for(key)):
+        if gpu and not only_if_room:
             loading = lora.prefetch(key)
             if loading is not None:  # its outcome is the warm-up's: the engine thread reads it below
                 await asyncio.to_thread(concurrent.futures.wait, [loading])
