@@ -5,8 +5,8 @@ A version is ``name@version``; its identity is the manifest digest. ``register``
 version in the host tier (``register_on_disk``: only its folder; ``register_remote``: only its manifest,
 the files fetched on first need); the scheduler then ``request``s it toward the GPU (remote -> disk pulls
 and disk -> host parses on the loader's worker threads, several at once; host -> GPU copies on a side
-stream), admits its requests once ``is_ready``, and ``acquire``/``release``s it around each running sequence. What a running or queued request needs, and what
-is pinned, is never evicted from either tier.
+stream), admits its requests once ``is_ready``, and ``acquire``/``release``s it around each running
+sequence. What a running or queued request needs, and what is pinned, is never evicted from either tier.
 
 Threads: the registry (load, alias, pin, the read-only views) may be used from any thread under ``lock``;
 everything that touches the device (``poll``, ``prepare_step``, eviction, copies) runs on the engine thread.
