@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--admin-adapters", choices=("used", "all"), default=None,
                         help="with --admin-s3: push and register only the adapters the trace uses, or all "
-                        "(S3 keeps a copy per adapter); default: all (quick), used (gpu)")  # fmt: skip
+                        "(S3 keeps each distinct file once); default: all (quick), used (gpu)")  # fmt: skip
     parser.add_argument("--admin-warm", choices=("host", "lazy"), default=None,
                         help="with --admin-s3: pull, load and warm every adapter at registration (host, the "
                         "default), or register each from its manifest and pull it at its first request (lazy)")  # fmt: skip
@@ -209,8 +209,10 @@ def main(argv: list[str] | None = None) -> int:
                                        "ttft_p99_vs_base": r["ttft_p99_ms"] / base["ttft_p99_ms"]}
                for r in rows[1:]}  # fmt: skip
     summary["health_live_max_ms"] = max(r["health_live_max_ms"] or 0.0 for r in rows)
-    if "admin" in admin:
-        summary["admin_register_s"] = admin["admin"]["admin_register_s"]
+    if "admin" in admin:  # registration time, and what S3 stores against one copy of the files per artifact
+        summary.update(
+            {k: admin["admin"][k] for k in ("admin_register_s", "s3_bytes", "s3_bytes_one_copy_per_artifact")}
+        )
     title = "Llama-3-8B shape, random bf16 weights, one GPU" if gpu else "tiny random Llama, CPU, --quick"
     title += "; adapters through the admin API from S3" if args.admin_s3 else ""
     stem = "churn-server-admin" if args.admin_s3 else "churn-server"

@@ -13,12 +13,14 @@ pulled into the host cache, verified and loaded by ``PUT /admin/adapters/{name}`
   the version on the engine's remote tier without pulling it; the trace's first request for an adapter pulls
   it (on the engine's loader), so registering 1,000 adapters downloads no weights.
 
-Bytes: an S3 artifact keeps its files under its own prefix, so S3 holds one copy of the weights per
-adapter pushed (1,000 Llama-3-8B-shaped adapters would be ~157 GB). The host cache stores files by their
-sha256 (``blobs/<sha256>``, hard-linked into each adapter's folder), so it downloads and keeps each
-distinct file once: one weights file per rank here. Lazy registration changes what the pod pulls, not what
-S3 holds: the bucket still keeps one weights copy per artifact. ``--admin-adapters used`` (the GPU default) pushes and
-registers only the adapters the trace asks for; ``all`` registers every one (the quick default).
+Bytes: a push stores each distinct file once per bucket, under its sha256 (``_loraplane/blobs/sha256/<hex>``;
+the artifact's prefix holds only its signed manifest), and the host cache also stores files by their sha256
+(``blobs/<sha256>``, hard-linked into each adapter's folder). The bench's adapters share one weights file
+per rank, so S3 and the host cache each hold one weights file per rank, whatever the adapter count:
+``s3_bytes`` is what the bucket stores, ``s3_bytes_one_copy_per_artifact`` what it would store with each
+artifact's files under its own prefix (1,000 Llama-3-8B-shaped adapters: ~157 GB). ``--admin-adapters
+used`` (the GPU default) pushes and registers only the adapters the trace asks for; ``all`` registers every
+one (the quick default).
 """
 
 from __future__ import annotations
@@ -76,32 +78,47 @@ def s3_adapters(work: Path, folders: dict[str, Path], threads: int = 8):
         with ThreadPoolExecutor(threads) as pool:  # hashing and uploads give up the GIL
             done = pool.map(lambda kv: _publish(work, kv[0], kv[1], base_hash, private_pem, s3.client()),
                             folders.items())  # fmt: skip
-            artifacts = dict(zip(folders, done, strict=True))
-        listed = s3.client().get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
-        s3_bytes = sum(o["Size"] for page in listed for o in page.get("Contents", []))
+            pushed = dict(zip(folders, done, strict=True))
+        artifacts = {name: (p["uri"], p["digest"]) for name, p in pushed.items()}
         env = {"AWS_ENDPOINT_URL_S3": s3.url, "AWS_SHARED_CREDENTIALS_FILE": str(_credentials(work, s3)),
                "AWS_DEFAULT_REGION": s3.region, "AWS_EC2_METADATA_DISABLED": "true"}  # fmt: skip
         argv = ["--host-cache-dir", str(cache), "--trusted-keys-dir", str(trusted),
                 "--admin-port", str(free_port()), "--admin-token-file", str(work / "admin-token")]  # fmt: skip
         stats = {"pack_sign_push_s": round(time.perf_counter() - started, 2), "artifacts": len(artifacts),
-                 "s3_bytes": s3_bytes}  # fmt: skip
+                 **_bucket_bytes(s3.client(), pushed)}  # fmt: skip
         yield AdminSetup(argv, env, artifacts, cache, s3, stats)
 
 
+def _bucket_bytes(client, pushed: dict[str, dict]) -> dict:
+    """What the bucket stores, its blobs, and what it would store with one copy of the files per artifact."""
+    from loraplane.artifacts.s3blobs import BLOB_ROOT
+
+    listed = [o for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET)
+              for o in page.get("Contents", [])]  # fmt: skip
+    blobs = [o["Size"] for o in listed if o["Key"].startswith(BLOB_ROOT)]
+    manifests = sum(o["Size"] for o in listed if not o["Key"].startswith(BLOB_ROOT))
+    return {"s3_bytes": sum(o["Size"] for o in listed), "s3_objects": len(listed), "s3_blobs": len(blobs),
+            "s3_blob_bytes": sum(blobs),
+            "s3_bytes_one_copy_per_artifact": manifests + sum(p["bytes"] for p in pushed.values()),
+            "push_uploaded_bytes": sum(p["uploaded_bytes"] for p in pushed.values()),
+            "push_deduplicated_bytes": sum(p["deduplicated_bytes"] for p in pushed.values())}  # fmt: skip
+
+
 def _check_room(folders: dict[str, Path]) -> None:
-    """moto spills each object to a file in the temp folder: refuse before pushing what cannot fit."""
-    need = sum((f / n).stat().st_size for f in folders.values() for n in ("adapter_config.json",
-               "adapter_model.safetensors"))  # fmt: skip
+    """moto spills each object to a file in the temp folder: refuse before pushing what cannot fit (the
+    distinct files: the folders' hard links to one file are one blob in S3)."""
+    files = {(f / n).stat().st_ino: (f / n).stat().st_size for f in folders.values()
+             for n in ("adapter_config.json", "adapter_model.safetensors")}  # fmt: skip
+    need = sum(files.values())
     free = shutil.disk_usage(tempfile.gettempdir()).free
     if need > 0.9 * free:
         raise RuntimeError(f"admin_adapters: {len(folders)} artifacts need {need / 1e9:.1f} GB in S3, "
                            f"{tempfile.gettempdir()} has {free / 1e9:.1f} GB free (try --admin-adapters used)")  # fmt: skip
 
 
-def _publish(
-    work: Path, name: str, source: Path, base_hash: str, private_pem: bytes, client
-) -> tuple[str, str]:
-    """pack -> sign -> push of one adapter (a folder of hard links to the source's files)."""
+def _publish(work: Path, name: str, source: Path, base_hash: str, private_pem: bytes, client) -> dict:
+    """pack -> sign -> push of one adapter (a folder of hard links to the source's files); push_folder's
+    answer (uri, digest, bytes, uploaded_bytes, deduplicated_bytes)."""
     from loraplane.artifacts.pack import pack_folder, push_folder, sign_folder
 
     folder = work / "artifacts" / name
@@ -114,7 +131,7 @@ def _publish(
     pushed = push_folder(folder, uri, s3_client=client)
     if pushed["digest"] != signed["digest"]:
         raise RuntimeError(f"{name}: pushed {pushed['digest']}, signed {signed['digest']}")
-    return uri, signed["digest"]
+    return pushed
 
 
 def _credentials(work: Path, s3) -> Path:

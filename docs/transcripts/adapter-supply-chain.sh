@@ -35,6 +35,15 @@ run loraplane adapter keygen --out keys --name team-nlp
 run loraplane adapter pack support-bot --base base --name support-bot --version v1
 run loraplane adapter sign support-bot --key keys/team-nlp.key
 run loraplane adapter push support-bot s3://adapters/support-bot/v1/
+echo "# the bucket: each file once, named by its sha256; the version's prefix holds the signed manifest"
+python - <<'PY'
+import boto3
+for obj in boto3.client("s3").list_objects_v2(Bucket="adapters")["Contents"]:
+    print(f"{obj['Size']:>8}  {obj['Key']}")
+PY
+echo
+echo "# pushing again uploads no file: every blob is stored already (HEAD, size)"
+run loraplane adapter push support-bot s3://adapters/support-bot/v1/ --json
 DIGEST=$(loraplane adapter inspect s3://adapters/support-bot/v1/ --json | python -c 'import json,sys; print(json.load(sys.stdin)["digest"])')
 run loraplane adapter verify s3://adapters/support-bot/v1/ --trusted-keys keys/team-nlp.pub --base base --digest "$DIGEST" --max-rank 64
 run loraplane adapter pull s3://adapters/support-bot/v1/ --cache cache --trusted-keys keys/team-nlp.pub --base base --digest "$DIGEST"
@@ -49,7 +58,9 @@ echo "# an attacker with write access to the bucket replaces the weights (same s
 python - <<'PY'
 import boto3
 s3 = boto3.client("s3")
-key = "support-bot/v1/adapter_model.safetensors"
+import json
+manifest = json.loads(s3.get_object(Bucket="adapters", Key="support-bot/v1/loraplane-manifest.json")["Body"].read())
+key = "_loraplane/blobs/sha256/" + manifest["files"]["adapter_model.safetensors"]["sha256"]  # where push put it
 data = bytearray(s3.get_object(Bucket="adapters", Key=key)["Body"].read())
 data[-1] ^= 0xFF
 s3.put_object(Bucket="adapters", Key=key, Body=bytes(data))

@@ -14,8 +14,12 @@ from tamper import assert_cache_holds_only_verified
 
 from loraplane.artifacts import errors as E
 from loraplane.artifacts.cache import HostCache
+from loraplane.artifacts.s3blobs import blob_key
 
-W, C = "/adapter_model.safetensors", "/adapter_config.json"
+
+def blob(adapter, name: str = "adapter_model.safetensors") -> str:
+    """The URL path's tail of a file's S3 blob (what the proxy counts)."""
+    return "/" + blob_key(adapter.manifest.files[name].sha256)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +63,10 @@ def test_16_parallel_pulls_download_once(tmp_path, client, proxy, adapters, keys
         results = list(pool.map(lambda _: _pull(cache, uri, keys, base_hash), range(16)))
     assert {r.path for r in results} == {results[0].path}
     assert {r.digest for r in results} == {adapter.digest}
-    assert proxy.count("GET", W) == 1 and proxy.count("GET", C) == 1
+    assert (
+        proxy.count("GET", blob(adapter)) == 1
+        and proxy.count("GET", blob(adapter, "adapter_config.json")) == 1
+    )
     assert cache.stats()["downloads"] == 2
     assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
 
@@ -78,13 +85,13 @@ def _pull_in_process(args):
 
 
 def test_parallel_processes_download_once(tmp_path, client, proxy, adapters, keys, base_hash):
-    uri, _ = adapters["v2"]
+    uri, adapter = adapters["v2"]
     ctx = multiprocessing.get_context("fork")
     job = (str(tmp_path / "cache"), proxy.url, uri, keys.trusted, base_hash)
     with ctx.Pool(4) as pool:
         paths = pool.map(_pull_in_process, [job] * 4)
     assert len(set(paths)) == 1
-    assert proxy.count("GET", W) == 1
+    assert proxy.count("GET", blob(adapter)) == 1
 
 
 def test_versions_share_identical_files(tmp_path, client, adapters, keys, base_hash, retry):
@@ -148,7 +155,7 @@ def test_corrupt_entry_is_evicted_and_fetched_again(
         f.write(bytes([byte[0] ^ 1]))
     again = _pull(cache, uri, keys, base_hash)
     assert again.weights_path.read_bytes() == (adapter.folder / "adapter_model.safetensors").read_bytes()
-    assert proxy.count("GET", W) == 2
+    assert proxy.count("GET", blob(adapter)) == 2
     assert cache.stats()["corrupt_evictions"] == 1
     assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
 
@@ -204,7 +211,7 @@ def test_a_pull_killed_with_kill_9_is_cleaned_up_at_the_next_pull(
     cache = HostCache(
         root, 1 << 30, client
     )  # made before the crash: its start-up sweep cannot be what cleans
-    proxy.add(Fault("stall", path="v3" + W, hang_s=60))  # half of the weights, then silence
+    proxy.add(Fault("stall", path=blob(adapters["v3"][1]), hang_s=60))  # half of the weights, then silence
     child = multiprocessing.get_context("fork").Process(
         target=_pull_in_process, args=((str(root), proxy.url, adapters["v3"][0], keys.trusted, base_hash),)
     )

@@ -9,8 +9,16 @@ from tamper import assert_cache_holds_only_verified
 
 from loraplane.artifacts import errors as E
 from loraplane.artifacts.cache import HostCache
+from loraplane.artifacts.s3blobs import BLOB_ROOT, blob_key
 
-W = "/adapter_model.safetensors"
+W = "/" + BLOB_ROOT + "<weights>"  # the weights' blob; the digest is known once the adapter is built
+
+
+def at(fault: Fault, adapter) -> Fault:
+    """The fault aimed at the adapter's weights blob when it names W."""
+    if fault.path == W:
+        fault.path = "/" + blob_key(adapter.manifest.files["adapter_model.safetensors"].sha256)
+    return fault
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +42,10 @@ def proxy(_proxy):
     return _proxy
 
 
+def blob_weights(adapter) -> str:
+    return "/" + blob_key(adapter.manifest.files["adapter_model.safetensors"].sha256)
+
+
 def _pull(tmp_path, moto, proxy, keys, base_hash, uri, retry):
     client = moto.client(url=proxy.url, read_timeout=1.0, connect_timeout=1.0)
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
@@ -46,17 +58,18 @@ def _pull(tmp_path, moto, proxy, keys, base_hash, uri, retry):
         Fault("status", W, status=503, code="ServiceUnavailable", times=2),
         Fault("status", W, status=503, code="SlowDown", times=1),
         Fault("status", W, status=500, code="InternalError", times=1),
+        Fault("status", W, method="HEAD", status=503, code="SlowDown", times=2),  # the blob's size check
         Fault("status", "/loraplane-manifest.json", status=503, code="SlowDown", times=2),
         Fault("status", "/faults", status=503, code="SlowDown", times=1),  # the listing
         Fault("hang", W, hang_s=3.0),  # the client's 1 s read timeout fires
         Fault("truncate", W),  # full Content-Length announced, half sent
         Fault("short_length", W),  # half announced and sent: shorter than the manifest says
     ],
-    ids=lambda f: f"{f.kind}-{f.status if f.kind == 'status' else ''}-{f.path.strip('/')}",
+    ids=lambda f: f"{f.kind}-{f.method}-{f.status if f.kind == 'status' else ''}-{f.path.rsplit('/', 1)[-1]}",
 )
 def test_transient_fault_is_retried(fault, tmp_path, moto, proxy, keys, base_hash, pushed, retry):
     uri, adapter = pushed
-    proxy.add(fault)
+    proxy.add(at(fault, adapter))
     cache, local = _pull(tmp_path, moto, proxy, keys, base_hash, uri, retry)
     assert local.digest == adapter.digest
     assert fault.times == 0, "the fault was injected"
@@ -67,7 +80,8 @@ def test_transient_fault_is_retried(fault, tmp_path, moto, proxy, keys, base_has
 def test_persistent_fault_reports_source_unreachable(
     kind, tmp_path, moto, proxy, keys, base_hash, pushed, retry
 ):
-    uri, _ = pushed
+    uri, adapter = pushed
+    W = blob_weights(adapter)
     proxy.add(Fault(kind, W, times=100))
     with pytest.raises(E.ArtifactError) as err:
         _pull(tmp_path, moto, proxy, keys, base_hash, uri, retry)
@@ -89,7 +103,8 @@ def test_persistent_fault_reports_source_unreachable(
 def test_final_errors_are_not_retried(
     status, code, reason, tmp_path, moto, proxy, keys, base_hash, pushed, retry
 ):
-    uri, _ = pushed
+    uri, adapter = pushed
+    W = blob_weights(adapter)
     proxy.add(Fault("status", W, status=status, code=code, times=100))
     with pytest.raises(E.ArtifactError) as err:
         _pull(tmp_path, moto, proxy, keys, base_hash, uri, retry)

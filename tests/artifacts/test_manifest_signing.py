@@ -73,7 +73,12 @@ def test_manifest_is_canonical_and_digest_is_stable():
         (
             {"files": {**GOOD["files"], "adapter_config.json": {"sha256": "B" * 64, "size": 1}}},
             E.BAD_MANIFEST,
-            "sha256",
+            "manifest.files.adapter_config.json.sha256",
+        ),
+        (
+            {"files": {**GOOD["files"], "adapter_config.json": {"sha256": "b" * 64, "size": -1}}},
+            E.BAD_MANIFEST,
+            "manifest.files.adapter_config.json.size",
         ),
     ],
 )

@@ -12,6 +12,7 @@ from tamper import assert_cache_holds_only_verified
 from loraplane.artifacts import errors as E
 from loraplane.artifacts.cache import HostCache
 from loraplane.artifacts.s3 import make_client
+from loraplane.artifacts.s3blobs import blob_key
 from loraplane.artifacts.verify import fetch_verified_manifest
 
 pytestmark = pytest.mark.slow
@@ -48,7 +49,8 @@ def test_push_verify_pull_through_the_standard_credential_chain(
     big_uri = push_folder(big.folder, f"s3://{weed_bucket}/big/v1/", s3_client=client, chunk_bytes=5 << 20)[
         "uri"
     ]
-    head = client.head_object(Bucket=weed_bucket, Key="big/v1/adapter_model.safetensors")
+    weights_blob = blob_key(big.manifest.files["adapter_model.safetensors"].sha256)
+    head = client.head_object(Bucket=weed_bucket, Key=weights_blob)
     assert "-" in head["ETag"], "uploaded in parts"
     verified = fetch_verified_manifest(
         uri,
@@ -88,9 +90,11 @@ def test_overwritten_object_is_caught_even_with_versioning(
     uri = push_adapter(adapter.folder, client, weed_bucket)
     data = bytearray((adapter.folder / "adapter_model.safetensors").read_bytes())
     data[-4:] = b"evil"
-    client.put_object(Bucket=weed_bucket, Key="victim/v1/adapter_model.safetensors", Body=bytes(data))
-    versions = client.list_object_versions(Bucket=weed_bucket, Prefix="victim/v1/adapter_model")["Versions"]
-    assert len(versions) == 2
+    key = blob_key(adapter.manifest.files["adapter_model.safetensors"].sha256)  # where push stored it
+    stored = len(client.list_object_versions(Bucket=weed_bucket, Prefix=key)["Versions"])
+    client.put_object(Bucket=weed_bucket, Key=key, Body=bytes(data))
+    versions = client.list_object_versions(Bucket=weed_bucket, Prefix=key)["Versions"]
+    assert len(versions) == stored + 1 >= 2
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
     with pytest.raises(E.ArtifactError) as err:
         cache.pull(uri, trusted_keys=keys.trusted, expected_base_hash=base_hash)

@@ -15,6 +15,7 @@ import time
 import httpx
 import pytest
 
+from loraplane.artifacts.s3blobs import blob_key
 from tests.http.adapter_fixtures import BUCKET, adapter_world
 from tests.http.conftest import MODEL_NAME, wait_until
 from tests.s3_servers import Fault
@@ -51,9 +52,14 @@ def tokens_of(response: httpx.Response) -> tuple[str, list[float]]:
     return choice["text"], choice["logprobs"]["token_logprobs"]
 
 
+def weights_path(world, name: str) -> str:
+    """The URL path's tail of v1's weights: the content-addressed blob the push stored them in."""
+    return "/" + blob_key(world.published[f"{name}-v1"].manifest.files[WEIGHTS].sha256)
+
+
 def weights_gets(world, name: str) -> int:
     """GETs of the version's weights object that reached the proxy (a pull's download)."""
-    return world.proxy.count("GET", f"/{name}/v1/{WEIGHTS}")
+    return world.proxy.count("GET", weights_path(world, name))
 
 
 def put_lazy(world, name: str) -> dict:
@@ -98,7 +104,7 @@ def test_two_lazy_pulls_run_at_once_while_a_resident_adapter_serves(clean, engin
     assert world.put("tenant-b", world.published["tenant-b-v1"]).status_code == 200
     alone = tokens_of(complete(world, "tenant-b"))
     gates = {
-        name: world.proxy.add(Fault("gate", f"/{name}/v1/{WEIGHTS}")).gate for name in ("chat", "support")
+        name: world.proxy.add(Fault("gate", weights_path(world, name))).gate for name in ("chat", "support")
     }
     put_lazy(world, "chat")
     put_lazy(world, "support")
@@ -123,7 +129,7 @@ def test_two_lazy_pulls_run_at_once_while_a_resident_adapter_serves(clean, engin
 def test_a_broken_object_fails_only_its_own_requests_and_leaves_nothing_cached(clean, engine, damage, reason):
     world = clean
     adapter = world.published["support-v1"]
-    key = f"support/v1/{WEIGHTS}"
+    key = blob_key(adapter.manifest.files[WEIGHTS].sha256)
     good = (adapter.folder / WEIGHTS).read_bytes()
     assert world.put("tenant-b", world.published["tenant-b-v1"]).status_code == 200
     put_lazy(world, "support")
@@ -168,7 +174,7 @@ def test_the_engine_thread_sleeps_while_only_s3_cold_requests_wait(clean, engine
             samples.append((time.perf_counter(), time.thread_time()))
 
     engine.add_step_listener(sample)
-    gate = world.proxy.add(Fault("gate", f"/chat/v1/{WEIGHTS}")).gate
+    gate = world.proxy.add(Fault("gate", weights_path(world, "chat"))).gate
     put_lazy(world, "chat")
     try:
         with concurrent.futures.ThreadPoolExecutor(3) as pool:

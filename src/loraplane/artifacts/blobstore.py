@@ -69,10 +69,10 @@ class BlobStore:
     def _missing_bytes(self, manifest: Manifest) -> int:
         return sum(e.size for e in manifest.files.values() if not self._blob(e.sha256).is_file())
 
-    def _ensure_blob(self, bucket: str, key: str, entry: FileEntry) -> Path:
-        """The verified blob for ``entry``: downloaded once, however many pullers ask at the same time."""
+    def _ensure_blob(self, bucket: str, key: str, name: str, entry: FileEntry) -> Path:
+        """The verified blob for the manifest's file ``name`` (``entry``), read from the object ``key``:
+        downloaded once, however many pullers ask at the same time."""
         blob = self._blob(entry.sha256)
-        name = key.rsplit("/", 1)[-1]
         with flock(self._lock("blob", entry.sha256)):
             if blob.is_file():
                 if blob.stat().st_size == entry.size and (
@@ -93,6 +93,7 @@ class BlobStore:
                     retry=self.retry,
                     # the weights' layout and values are checked in the pass that hashes them
                     new_check=(lambda: TensorScanner(entry.size, name)) if name == WEIGHTS_FILE else None,
+                    name=name,
                 )
                 os.chmod(tmp, 0o444)
                 os.replace(tmp, blob)

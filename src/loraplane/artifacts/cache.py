@@ -145,9 +145,9 @@ class HostCache(BlobStore):
             if local is not None:
                 return local
             self._count("misses")
-            bucket, prefix = S3.parse_s3_uri(uri)
+            bucket, _ = S3.parse_s3_uri(uri)
             self._make_room(self._missing_bytes(verified.manifest), keep=hex_)
-            self._assemble(hex_, verified, bucket, prefix, policy)
+            self._assemble(hex_, verified, bucket, policy)
             local = self._open_local(hex_, trusted_keys, policy, acquire, rehash=False)
         if local is None:  # evicted by someone else in between: rare, and a fresh pull fixes it
             raise E.ArtifactError(E.CACHE_FULL, "the adapter was evicted while being pulled", "cache")
@@ -196,17 +196,16 @@ class HostCache(BlobStore):
             if rehash and hash_file(path, name, entry.sha256) != entry.sha256:
                 raise E.ArtifactError(E.FILE_HASH_MISMATCH, "cached content differs", name)
 
-    def _assemble(
-        self, hex_: str, verified: VerifiedManifest, bucket: str, prefix: str, policy: Policy
-    ) -> None:
+    def _assemble(self, hex_: str, verified: VerifiedManifest, bucket: str, policy: Policy) -> None:
         """Build the adapter folder in tmp/ from verified blobs, compare its files with the manifest, rename it in.
-        A refusal removes the blobs it downloaded that no other adapter links."""
+        A refusal removes the blobs it downloaded that no other adapter links. Each file comes from the object
+        fetch_verified_manifest located: its S3 blob, or the artifact's prefix (artifacts pushed before blobs)."""
         build = self.root / "tmp" / f"adapter-{hex_}.{uuid.uuid4().hex}"
         build.mkdir()
         try:
             for name, entry in verified.manifest.files.items():
                 for _attempt in range(3):  # an evictor may drop an orphan blob between download and link
-                    blob = self._ensure_blob(bucket, prefix + name, entry)
+                    blob = self._ensure_blob(bucket, verified.locations[name].key, name, entry)
                     try:
                         os.link(blob, build / name)
                         break

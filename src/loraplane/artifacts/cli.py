@@ -125,7 +125,7 @@ def cmd_verify(args) -> dict:
             retry=_retry(args),
         )
         if not args.manifest_only:
-            verify_remote_files(client, args.target, verified.manifest, policy, _retry(args))
+            verify_remote_files(client, verified, policy, _retry(args))
     else:
         verified = verify_folder(Path(args.target), trusted_keys=_trusted(args), policy=policy)
     return {
@@ -291,10 +291,12 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sign", parents=[common], help="sign a packed folder's manifest")
     s.add_argument("dir")
     s.add_argument("--key", required=True, help="ed25519 private key PEM (from keygen)")
-    s = sub.add_parser("push", parents=[common], help="upload a signed folder to s3://bucket/name/version/")
+    s = sub.add_parser("push", parents=[common], help="upload a signed folder to s3://bucket/name/version/ "
+                       "(each file once per bucket, under _loraplane/blobs/sha256/)")  # fmt: skip
     s.add_argument("dir")
     s.add_argument("uri")
-    s.add_argument("--force", action="store_true", help="replace another version stored under the prefix")
+    s.add_argument("--force", action="store_true",
+                   help="replace another version stored under the prefix, and upload every blob again")  # fmt: skip
     s.add_argument("--chunk-mb", type=int, default=8, help="multipart threshold and part size")
     s = sub.add_parser("verify", parents=[common, checks], help="verify an S3 prefix or a local folder")
     s.add_argument("target", help="s3://bucket/name/version/ or a folder")

@@ -171,6 +171,8 @@ class Manifest:
                     entry = FileEntry(**entry)
                 except TypeError:
                     raise bad(f"files.{name}", "must have exactly the fields sha256 and size") from None
+                except E.ArtifactError as exc:  # name the file: manifest.files.<name>.sha256 or .size
+                    raise bad(f"files.{name}.{exc.field}", exc.message) from None
             if not isinstance(entry, FileEntry):
                 raise bad(f"files.{name}", "must be {sha256, size}")
             entries[name] = entry

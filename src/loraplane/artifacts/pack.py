@@ -38,6 +38,7 @@ from loraplane.artifacts.peft import (
     module_scaling,
 )
 from loraplane.artifacts.peft_config import read_adapter_config
+from loraplane.artifacts.s3blobs import push_blobs
 from loraplane.artifacts.signing import parse_signature, sign_bytes
 from loraplane.artifacts.verify import (
     check_listing,
@@ -190,9 +191,11 @@ def push_folder(
     progress: Callable[[int], None] | None = None,
     retry: S3.RetryPolicy | None = None,
 ) -> dict:
-    """Upload a signed folder: payload first, manifest next, signature last (readers never see a signed
+    """Upload a signed folder: each file to its content-addressed blob (s3blobs.py; skipped when the bucket
+    holds it already), then the manifest, then the signature under the prefix (readers never see a signed
     manifest whose files are not there yet). Versions are immutable: a different manifest under the same
-    prefix is refused unless ``force`` (which replaces everything under it)."""
+    prefix is refused unless ``force``, which replaces it and uploads every blob again. Files of a version
+    pushed before blobs existed are removed from the prefix once their blobs are stored."""
     from boto3.s3.transfer import TransferConfig
 
     folder = Path(folder)
@@ -211,28 +214,28 @@ def push_folder(
                 f"s3://{bucket}/{prefix} already holds another version (use --force)",
                 "source.uri",
             )
-        stale = [
-            prefix + k
-            for k in existing
-            if k not in manifest.files and k not in (MANIFEST_FILE, SIGNATURE_FILE)
-        ]
-        for key in stale:
-            S3.with_retries(
-                lambda key=key: s3_client.delete_object(Bucket=bucket, Key=key), what=key, retry=retry
-            )
     config = TransferConfig(
         multipart_threshold=chunk_bytes, multipart_chunksize=chunk_bytes, max_concurrency=4
     )
-    for fname in [*manifest.files, MANIFEST_FILE, SIGNATURE_FILE]:
+
+    def upload(path: Path, key: str) -> None:
         S3.with_retries(
-            lambda fname=fname: s3_client.upload_file(
-                str(folder / fname), bucket, prefix + fname, Config=config, Callback=progress
-            ),
-            what=f"s3://{bucket}/{prefix}{fname}",
+            lambda: s3_client.upload_file(str(path), bucket, key, Config=config, Callback=progress),
+            what=f"s3://{bucket}/{key}",
             retry=retry,
         )
+
+    sent = push_blobs(s3_client, bucket, folder, manifest, upload=upload, force=force, retry=retry,
+                      progress=progress)  # fmt: skip
+    for key in [prefix + k for k in existing if k not in (MANIFEST_FILE, SIGNATURE_FILE)]:
+        S3.with_retries(
+            lambda key=key: s3_client.delete_object(Bucket=bucket, Key=key), what=key, retry=retry
+        )
+    for fname in (MANIFEST_FILE, SIGNATURE_FILE):
+        upload(folder / fname, prefix + fname)
     return {
         "uri": f"s3://{bucket}/{prefix}",
         "digest": digest_of(manifest_bytes),
         "bytes": manifest.total_bytes,
+        **sent,
     }

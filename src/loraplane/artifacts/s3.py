@@ -192,6 +192,19 @@ def get_small(client, bucket: str, key: str, *, max_bytes: int, retry: RetryPoli
         raise
 
 
+def head_size(client, bucket: str, key: str, *, retry: RetryPolicy) -> int | None:
+    """An object's size; None when it does not exist. (Without s3:ListBucket, S3 answers a missing key with
+    403, which stays AccessDenied.)"""
+    try:
+        head = with_retries(lambda: client.head_object(Bucket=bucket, Key=key), what=f"s3://{bucket}/{key}",
+                            retry=retry)  # fmt: skip
+    except E.ArtifactError as exc:
+        if exc.reason == E.NOT_FOUND:
+            return None
+        raise
+    return int(head["ContentLength"])
+
+
 def stream_verified(
     client,
     bucket: str,
@@ -203,6 +216,7 @@ def stream_verified(
     retry: RetryPolicy,
     on_bytes: Callable[[int], None] | None = None,
     new_check: Callable[[], object] | None = None,
+    name: str | None = None,
 ) -> None:
     """Stream an object into a fresh sink per attempt, hashing as it goes.
 
@@ -210,9 +224,10 @@ def stream_verified(
     ArtifactError, e.g. tensors.TensorScanner); it judges only a body whose sha256 matched.
 
     Short or broken bodies are retried; more bytes than ``size`` or a wrong sha256 of a complete body are
-    final (FileSizeMismatch / FileHashMismatch): the object is not the one the manifest signed.
+    final (FileSizeMismatch / FileHashMismatch): the object is not the one the manifest signed. ``name`` is
+    the file's name in the manifest (errors name it; default: the key's last part).
     """
-    name = key.rsplit("/", 1)[-1]
+    name = name or key.rsplit("/", 1)[-1]
 
     def once() -> None:
         digest, got = hashlib.sha256(), 0

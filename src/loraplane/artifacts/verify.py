@@ -1,8 +1,8 @@
 """Verification: signature, pinned digest, base hash, policy (rank, modules, sizes), the file list, and
 that the signed files say what the signed manifest says.
 
-``fetch_verified_manifest`` reads only the manifest, its signature and the object listing from S3 (never
-the weights): what the operator needs before it lets an adapter near a pod. ``verify_folder`` checks a
+``fetch_verified_manifest`` reads only the manifest, its signature, the object listing and the size of each
+file's blob from S3 (never the weights): what the operator needs before it lets an adapter near a pod. ``verify_folder`` checks a
 local folder completely, hashing every file. The host cache (cache.py) hashes while it streams. Whoever
 holds the files (``verify_folder``, the host cache, ``loraplane adapter verify s3://...``) then compares
 them with the manifest through ``check_contents``: a producer's mistake (or a careless signer) must not
@@ -11,6 +11,7 @@ turn into weights that differ from what the signature vouches for.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -36,6 +37,7 @@ from loraplane.artifacts.manifest import (
 )
 from loraplane.artifacts.peft import check_rank, module_scaling, weights_of
 from loraplane.artifacts.peft_config import lora_scale, parse_adapter_config
+from loraplane.artifacts.s3blobs import Located, locate_files
 from loraplane.artifacts.signing import verify_signature
 from loraplane.artifacts.tensors import TensorScanner, TensorSpan, hash_and_check, read_layout
 
@@ -76,6 +78,7 @@ class VerifiedManifest:
     manifest_bytes: bytes
     signature_bytes: bytes
     uri: str | None = None
+    locations: Mapping[str, Located] | None = None  # S3 only: file name -> the object holding its bytes
 
 
 def verify_manifest_bytes(
@@ -133,11 +136,7 @@ def check_policy(manifest: Manifest, policy: Policy) -> None:
 
 def check_listing(manifest: Manifest, present: Mapping[str, int], where: str) -> None:
     """The stored files are exactly the manifest's files (+ manifest and signature), with the listed sizes."""
-    for name in sorted(present):
-        if name in (MANIFEST_FILE, SIGNATURE_FILE) or name in manifest.files:
-            continue
-        check_file_name(name, f"{where}{name}")  # BadPath / PickleWeights say more than "unexpected"
-        raise E.ArtifactError(E.UNEXPECTED_FILE, f"{name!r} is not listed in the manifest", f"{where}{name}")
+    check_unexpected(manifest, present, where)
     for name, entry in manifest.files.items():
         if name not in present:
             raise E.ArtifactError(E.MISSING_FILE, "listed in the manifest but absent", name)
@@ -145,6 +144,15 @@ def check_listing(manifest: Manifest, present: Mapping[str, int], where: str) ->
             raise E.ArtifactError(
                 E.FILE_SIZE_MISMATCH, f"{present[name]} bytes, manifest says {entry.size}", name
             )
+
+
+def check_unexpected(manifest: Manifest, present: Mapping[str, int], where: str) -> None:
+    """Nothing is stored beside the manifest's files, the manifest and its signature."""
+    for name in sorted(present):
+        if name in (MANIFEST_FILE, SIGNATURE_FILE) or name in manifest.files:
+            continue
+        check_file_name(name, f"{where}{name}")  # BadPath / PickleWeights say more than "unexpected"
+        raise E.ArtifactError(E.UNEXPECTED_FILE, f"{name!r} is not listed in the manifest", f"{where}{name}")
 
 
 def fetch_verified_manifest(
@@ -177,14 +185,17 @@ def fetch_verified_manifest(
     verified = verify_manifest_bytes(
         manifest_bytes, sig_bytes, trusted_keys=trusted_keys, policy=policy, uri=f"s3://{bucket}/{prefix}"
     )
-    check_listing(verified.manifest, present, "")
-    return verified
+    check_unexpected(verified.manifest, present, "")
+    located = locate_files(client, bucket, prefix, verified.manifest, present, retry=retry)
+    check_listing(verified.manifest, {**present, **{n: f.size for n, f in located.items()}}, "")
+    return dataclasses.replace(verified, locations=located)
 
 
-def verify_remote_files(client, uri: str, manifest: Manifest, policy: Policy, retry: S3.RetryPolicy) -> None:
-    """Stream every file of a verified manifest once through sha256 (the weights through the tensor checks
-    too), storing none but the small config, then compare the files with the manifest (check_contents)."""
-    bucket, prefix = S3.parse_s3_uri(uri)
+def verify_remote_files(client, verified: VerifiedManifest, policy: Policy, retry: S3.RetryPolicy) -> None:
+    """Stream every file of a manifest from fetch_verified_manifest once through sha256 (the weights through
+    the tensor checks too), storing none but the small config, then compare the files with the manifest."""
+    bucket, _ = S3.parse_s3_uri(verified.uri)
+    manifest = verified.manifest
     config, discard, scanners = _Sink(keep=True), _Sink(keep=False), []
 
     def new_scanner() -> TensorScanner:
@@ -192,9 +203,9 @@ def verify_remote_files(client, uri: str, manifest: Manifest, policy: Policy, re
         return scanners[-1]
 
     for name, entry in manifest.files.items():
-        S3.stream_verified(client, bucket, prefix + name, sha256=entry.sha256, size=entry.size,
+        S3.stream_verified(client, bucket, verified.locations[name].key, sha256=entry.sha256, size=entry.size,
                            open_sink=(lambda: config) if name == CONFIG_FILE else (lambda: discard), retry=retry,
-                           new_check=new_scanner if name == WEIGHTS_FILE else None)  # fmt: skip
+                           new_check=new_scanner if name == WEIGHTS_FILE else None, name=name)  # fmt: skip
     check_contents(manifest, scanners[-1].spans, bytes(config.data), policy)
 
 
