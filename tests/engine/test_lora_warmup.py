@@ -29,7 +29,7 @@ from loraplane.kernels.metadata import LoRABatchMeta  # noqa: E402
 from tests.engine.peft_adapters import ADAPTER_SPECS, save_peft_adapter  # noqa: E402
 
 # Llama-3-8B's LoRA projections, a pooled q,v pair, and Qwen2-0.5B's. (Widths that are not multiples of 16
-# come from tensor-parallel shards, where the warm-up is off.)
+# come from masked tensor-parallel shards, whose engines do not warm.)
 SHAPES = [(4096, (4096, 1024, 1024)), (4096, (4096,)), (4096, (14336, 14336)), (14336, (4096,)),
           (4096, (4096, 1024)), (896, (896, 128, 128)), (896, (4864, 4864)), (4864, (896,))]  # fmt: skip
 KINDS = {"prefill": (2048, 64), "decode": (256, 16)}  # kind -> (token capacity, tile_m)

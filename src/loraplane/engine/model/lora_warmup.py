@@ -38,8 +38,8 @@ def tile_counts(max_tiles: int) -> list[int]:
 
     For widths that are multiples of 16, pick_config's column chunk doubles as the tile count about doubles:
     each of its classes is an interval [a, b) of tile counts with b >= 2a - 1 (integer division), cut at the
-    largest possible one, so it holds a power of two or that largest count. (Other widths come from
-    tensor-parallel shards, which are not warmed.) The split of K changes once, after FEW_TILES; a class that spans
+    largest possible one, so it holds a power of two or that largest count. (Widths that are not are
+    masked tensor-parallel shards, whose engines do not warm.) The split of K changes once, after FEW_TILES; a class that spans
     that step holds FEW_TILES (a power of two) below it and FEW_TILES + 1 above it."""
     counts, t = set(), 1
     while t < max_tiles:
