@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from adapter_factory import build_signed_adapter, push_adapter
+from s3_servers import FaultProxy
 from tamper import assert_cache_holds_only_verified, manifest_dict, resign, upload_folder
 
 from loraplane.artifacts import errors as E
@@ -39,12 +40,16 @@ def pull(cache: HostCache, uri: str, keys, base_hash: str):
 
 
 def test_two_artifacts_with_the_same_files_store_them_once_and_both_pull(
-    tmp_path, twins, keys, base_hash, s3, bucket, retry
+    tmp_path, twins, keys, base_hash, s3, bucket, retry, moto
 ):
     a, b = twins
     assert a.manifest.files == b.manifest.files and a.digest != b.digest
-    first = push_folder(a.folder, f"s3://{bucket}/alpha/v1/", s3_client=s3)
-    second = push_folder(b.folder, f"s3://{bucket}/beta/v1/", s3_client=s3)
+    with FaultProxy(moto.url) as proxy:  # counts what reaches S3
+        client = moto.client(url=proxy.url)
+        first = push_folder(a.folder, f"s3://{bucket}/alpha/v1/", s3_client=client)
+        second = push_folder(b.folder, f"s3://{bucket}/beta/v1/", s3_client=client)
+        weights = "/" + blob_key(a.manifest.files[W].sha256)
+        assert proxy.count("PUT", weights) == 1 and proxy.count("HEAD", weights) == 2
     total = a.manifest.total_bytes
     assert (first["uploaded_bytes"], first["deduplicated_bytes"]) == (total, 0)
     assert (second["uploaded_bytes"], second["deduplicated_bytes"]) == (0, total)
