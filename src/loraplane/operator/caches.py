@@ -145,6 +145,12 @@ class Snapshots(Generic[K, V]):
     def drop(self, key: K) -> None:
         self._taken.pop(key, None)
 
+    def drop_if(self, gone: Callable[[K], bool]) -> None:
+        """Drop the listings of every key ``gone`` says is gone (a deleted pod's, at once: its name and
+        address never come back, so waiting ``stale_after`` for it only keeps memory)."""
+        for key in [k for k in self._taken if gone(k)]:
+            del self._taken[key]
+
     def amend(self, key: K, update: Callable[[V], V]) -> None:
         """Replace a taken listing by ``update(listing)``, keeping its age: what one caller just observed of
         its own part. Each of thousands of adapters that acts on a pod would otherwise drop the listing and

@@ -204,7 +204,7 @@ async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[P
         await publish(ctx, adapter, ref, status_of(adapter, verdict, views, C.now()))
         if verdict.rolled_back:
             message = f"{spec_version(adapter)} failed; rolled back on {', '.join(verdict.rolled_back)}"
-            post_event(adapter, "Warning", C.ROLLED_BACK, message)
+            post_event(ctx, adapter, "Warning", C.ROLLED_BACK, message)
         metrics.set_adapter_state(meta["namespace"], meta["name"], metric_state(verdict),
                                   verdict.fields.get("readyPods", 0))  # fmt: skip
         outcome["result"] = "retry" if verdict.failed else "ok"
