@@ -101,7 +101,8 @@ def test_200_adapters_converge_without_a_hot_loop(world, uris):
         pod_gets, full, quiet = pod.count("GET") - pod_gets, passes("ok") - full, passes("quiet") - quiet
         later = adapter_calls(world)
         new_writes = sum(later.values()) - sum(settled.values())
-        print(f"\n{N} adapters Ready in {converged:.1f}s; writes/adapter max {max(writes.values())}, "
+        print(f"\n{N} adapters Ready in {converged:.1f}s; idle window: {full:.0f} full passes, {quiet:.0f} quiet; "
+              f"writes/adapter max {max(writes.values())}, "
               f"mean {sum(writes.values()) / N:.2f}; GETs {reads}; calls in the idle window {new_writes}; "
               f"pod GETs in the idle window {pod_gets} (snapshots shared by the adapters' drift checks)")  # fmt: skip
         worst = max(writes, key=writes.get)
@@ -119,8 +120,8 @@ def test_200_adapters_converge_without_a_hot_loop(world, uris):
         sample = world.adapter(noisy[0])["metadata"] if noisy else {}
         assert new_writes == 0, f"converged adapters must not write (hot loop): {+idle} {sample}"
         assert pod_gets > 0, "the drift checks still ran, against the pods only"
-        # A settled adapter's drift check only looks at its pods: one full pass at most (the first after its
-        # last status write), then quiet ones; before, every check was a full pass (2-3 per adapter here).
-        assert quiet >= N // 2 and full <= N, (
+        # A settled adapter's drift check only looks at its pods (its object, base and pods are as its last
+        # pass read them); every check was a full pass before (2-3 per adapter here). Slack for kopf's patches.
+        assert quiet >= N and full <= N // 4, (
             f"{full} full passes and {quiet} quiet checks in the idle window"
         )

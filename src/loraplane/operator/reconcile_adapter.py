@@ -195,8 +195,7 @@ async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[P
     """One pass; returns the seconds until the next one."""
     meta = adapter["metadata"]
     ref = custom_ref(ADAPTER_PLURAL, meta["namespace"], meta["name"])
-    reads = _reads(adapter, base, pods)
-    if await _still_quiet(ctx, ref.path(), reads, meta["name"]):
+    if await _still_quiet(ctx, ref.path(), _reads(adapter, base, pods), meta["name"]):
         metrics.QUIET_CHECKS.inc()
         return ctx.backoff((meta["uid"], meta.get("generation")), False)
     with metrics.reconcile_timer("LoRAAdapter") as outcome:
@@ -213,6 +212,8 @@ async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[P
                                   verdict.fields.get("readyPods", 0))  # fmt: skip
         outcome["result"] = "retry" if verdict.failed else "ok"
     if _settled(adapter, verdict, views):
+        # as of our own status write, if the pass made one: the next pass reads that resourceVersion
+        reads = _reads(ctx.echo.newest(ref.path(), adapter), base, pods)
         ctx.quiet.remember(ref.path(), reads, (verdict.token, [(v.address, v.loaded) for v in views]))
     else:
         ctx.quiet.forget(ref.path())
