@@ -9,6 +9,7 @@ replaced, say) and reads which lines keep what. Tracing slows every allocation: 
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import time
@@ -16,6 +17,7 @@ import tracemalloc
 from collections import Counter
 from pathlib import Path
 
+log = logging.getLogger(__name__)
 ENV = "LORAPLANE_TRACEMALLOC"
 FRAMES = 8  # enough to see which caller of a library kept an allocation
 TOP = 25  # lines per diff
@@ -72,13 +74,14 @@ class Tracer:
 def _census(shown: int = 12) -> list[str]:
     """Live Kubernetes objects (dicts with kind and metadata) by kind and name, and what holds one of the
     most repeated: a name listed many times is an object kept in many copies, or one that outlived itself."""
-    bodies = [o for o in gc.get_objects() if isinstance(o, dict) and "metadata" in o and "kind" in o]
-    names = Counter((o.get("kind"), (o.get("metadata") or {}).get("name")) for o in bodies)
+    bodies = [o for o in gc.get_objects()
+              if type(o) is dict and isinstance(o.get("metadata"), dict) and isinstance(o.get("kind"), str)]  # fmt: skip
+    names = Counter((o["kind"], o["metadata"].get("name")) for o in bodies)
     lines = [f"--- live objects: {len(bodies)}, by kind {dict(Counter(k for k, _ in names.elements()))}"]
     lines += [f"{count:6d}  {kind}/{name}" for (kind, name), count in names.most_common(shown)]
     if names:
         (kind, name), _ = names.most_common(1)[0]
-        sample = next(o for o in bodies if (o.get("kind"), o["metadata"].get("name")) == (kind, name))
+        sample = next(o for o in bodies if (o["kind"], o["metadata"].get("name")) == (kind, name))
         for holder in gc.get_referrers(sample)[:6]:
             if holder is bodies:
                 continue
@@ -95,5 +98,12 @@ def install_from_env() -> Tracer | None:
     if not path:
         return None
     tracer = Tracer(Path(path))
-    signal.signal(signal.SIGUSR1, tracer.dump)
+
+    def on_signal(*_) -> None:
+        try:
+            tracer.dump()
+        except Exception:  # a handler's exception would surface in whatever the event loop was running
+            log.exception("the memory trace failed")
+
+    signal.signal(signal.SIGUSR1, on_signal)
     return tracer
