@@ -266,7 +266,8 @@ class Fault:
 
     kind: "status" (answer ``status`` with an S3 error ``code``), "hang" (say nothing until ``hang_s``),
     "truncate" (announce the full length, send half, close), "short_length" (announce and send half),
-    "stall" (announce the full length, send half, then say nothing until ``hang_s``).
+    "stall" (announce the full length, send half, then say nothing until ``hang_s``), "gate" (hold the
+    request until ``gate`` is set, then forward it: a slow object whose wait the test decides).
     """
 
     kind: str
@@ -276,6 +277,7 @@ class Fault:
     status: int = 503
     code: str = "SlowDown"
     hang_s: float = 5.0
+    gate: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -338,6 +340,9 @@ class FaultProxy:
                 fault = proxy._take_fault(self.command, path)
                 if fault and fault.kind == "status":
                     return self._error(fault)
+                if fault and fault.kind == "gate":
+                    fault.gate.wait(60)
+                    fault = None  # then forwarded as it is
                 if fault and fault.kind == "hang":
                     proxy._stopping.wait(fault.hang_s)
                     self.close_connection = True

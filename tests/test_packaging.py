@@ -29,6 +29,15 @@ def test_artifacts_import_without_torch():
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 
+def test_the_engine_imports_without_an_s3_client():
+    """Remote adapters reach the engine as a fetch callable: the engine itself never needs boto3."""
+    code = (
+        "import sys; sys.modules['boto3'] = None; sys.modules['botocore'] = None\n"
+        "import loraplane.engine.core.async_engine, loraplane.engine.lora.manager, loraplane.engine.lora.remote\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
+
+
 def test_cli_lists_subcommands():
     out = subprocess.run(
         [sys.executable, "-m", "loraplane.cli", "--help"], capture_output=True, text=True, check=True

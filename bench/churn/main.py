@@ -234,7 +234,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
         )
         print(json.dumps(rows[-1]), flush=True)
         return rows
-    manager = engine.engine.runner.lora
+    manager, clock = engine.engine.runner.lora, StepClock(engine)
     manager.read = read_file  # files just written: the page cache serves them (see the notes)
     used = sorted({i for alpha in b.args.alphas for i in make_assignment(b.args, n, alpha)})
     folders = write_adapter_files(
@@ -251,7 +251,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
         adapters = [f"s{i}@v1" for i in make_assignment(b.args, n, alpha)]
         b.slora_adapters[alpha] = adapters
         working = sum(b.adapter_bytes(RANKS[int(a[1:].split("@")[0]) % 4]) for a in set(adapters))
-        before = dict(manager.tier_stats())
+        before, compiled, t_start = dict(manager.tier_stats()), triton_compiled(), time.perf_counter()
         r = await serve_trace(engine, arrivals, prompts, lens_out, adapters, manager.tier_of)
         loads = [manager.info(k).timings for k, v in manager.versions.items() if "disk_read" in v.timings]
         rows.append({"case": f"S-LoRA trace {label} alpha={alpha} ({n} req, {b.args.rate}/s, {b.args.adapters} adapters)",
@@ -260,7 +260,8 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
                      "disk_loads": len(loads), "max_loads_in_flight": manager.loader.max_in_flight,
                      "load_read_ms_p50": _p50(loads, "disk_read"), "load_hash_ms_p50": _p50(loads, "disk_hash"),
                      "load_stack_ms_p50": _p50(loads, "disk_stack"),
-                     "arena_misses": manager.arena_misses})  # fmt: skip
+                     "arena_misses": manager.arena_misses, "triton_compiles": triton_compiled() - compiled,
+                     **clock.window(t_start, time.perf_counter())})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -7,6 +7,7 @@ reads ``/health/live`` every 20 ms (the worst answer time is what a kubelet woul
     python bench/churn/server.py --out DIR --gpu       # Llama-3-8B shape, random bf16 weights, one GPU
 
     python bench/churn/server.py --out DIR --quick --admin-s3   # adapters through the admin API from S3
+    python bench/churn/server.py --out DIR --quick --admin-s3 --admin-warm lazy   # registered, pulled on demand
 
 ``--gpu`` writes the model folder (about 16 GB of safetensors) and needs fastapi, uvicorn and pydantic
 (bench/churn/device_server.sh installs them from carried wheels). By default adapters come from local
@@ -164,9 +165,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-adapters", choices=("used", "all"), default=None,
                         help="with --admin-s3: push and register only the adapters the trace uses, or all "
                         "(S3 keeps a copy per adapter); default: all (quick), used (gpu)")  # fmt: skip
+    parser.add_argument("--admin-warm", choices=("host", "lazy"), default=None,
+                        help="with --admin-s3: pull, load and warm every adapter at registration (host, the "
+                        "default), or register each from its manifest and pull it at its first request (lazy)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.admin_adapters is not None and not args.admin_s3:
         parser.error("--admin-adapters: only with --admin-s3")
+    if args.admin_warm is not None and not args.admin_s3:
+        parser.error("--admin-warm: only with --admin-s3")
+    args.admin_warm = args.admin_warm or "host"
     mode = "quick" if args.quick else "gpu"
     gpu = mode == "gpu"
     args.requests = args.requests or (100 if gpu else 24)
@@ -236,12 +243,13 @@ def lora_rows(args, work: Path, mode: str, folders: dict[str, Path], used: set[i
             )
             setup = stack.enter_context(s3_adapters(work, chosen))
             url = stack.enter_context(serve(work, mode, {}, *budgets, setup.argv, setup.env, argv))
-            admin["admin"] = asyncio.run(register(setup))
+            admin["admin"] = asyncio.run(register(setup, warm=args.admin_warm))
             print(json.dumps(admin["admin"]), flush=True)
             listed = len(httpx.get(f"{url}/v1/models").json()["data"]) - 1
             if listed != len(chosen):
                 raise RuntimeError(f"/v1/models lists {listed} adapters after registering {len(chosen)}")
             how = f"{len(chosen)} adapters loaded through the admin API from S3"
+            how += ", pulled at their first request" if args.admin_warm == "lazy" else ""
         else:
             url = stack.enter_context(serve(work, mode, folders, *budgets, argv_out=argv))
             how = f"{len(folders)} adapters on the disk tier"

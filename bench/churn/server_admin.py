@@ -9,11 +9,15 @@ pulled into the host cache, verified and loaded by ``PUT /admin/adapters/{name}`
   in ``AWS_ENDPOINT_URL_S3`` and the credentials in a file named by ``AWS_SHARED_CREDENTIALS_FILE``.
 - Registration PUTs every adapter with its manifest digest and ``warm: "host"`` (a cold-heavy workload
   need not keep them on the GPU), a few at a time, then waits until ``GET /admin/adapters`` shows all warm.
+  ``--admin-warm lazy`` PUTs ``warm: "lazy"`` instead: the pod verifies each signed manifest and registers
+  the version on the engine's remote tier without pulling it; the trace's first request for an adapter pulls
+  it (on the engine's loader), so registering 1,000 adapters downloads no weights.
 
 Bytes: an S3 artifact keeps its files under its own prefix, so S3 holds one copy of the weights per
 adapter pushed (1,000 Llama-3-8B-shaped adapters would be ~157 GB). The host cache stores files by their
 sha256 (``blobs/<sha256>``, hard-linked into each adapter's folder), so it downloads and keeps each
-distinct file once: one weights file per rank here. ``--admin-adapters used`` (the GPU default) pushes and
+distinct file once: one weights file per rank here. Lazy registration changes what the pod pulls, not what
+S3 holds: the bucket still keeps one weights copy per artifact. ``--admin-adapters used`` (the GPU default) pushes and
 registers only the adapters the trace asks for; ``all`` registers every one (the quick default).
 """
 
@@ -128,14 +132,16 @@ def admin_url(setup: AdminSetup) -> str:
     return f"http://127.0.0.1:{setup.argv[setup.argv.index('--admin-port') + 1]}"
 
 
-async def register(setup: AdminSetup, timeout_s: float = 3600) -> dict:
-    """PUT every artifact, then wait for all to be warm; returns the time and the admin API's views."""
+async def register(setup: AdminSetup, timeout_s: float = 3600, warm: str = "host") -> dict:
+    """PUT every artifact, then wait for all to be warm (``warm="lazy"``: registered, pulled by their first
+    request); returns the time and the admin API's views."""
+    ready = ("warm",) if warm != "lazy" else ("loaded", "warm")
     headers = {"Authorization": f"Bearer {TOKEN}"}
     gate = asyncio.Semaphore(PUT_AT_ONCE)
     async with httpx.AsyncClient(base_url=admin_url(setup), headers=headers, timeout=600) as client:
 
         async def put(name: str, uri: str, digest: str) -> None:
-            body = {"uri": uri, "version": VERSION, "manifest_digest": digest, "warm": "host"}
+            body = {"uri": uri, "version": VERSION, "manifest_digest": digest, "warm": warm}
             async with gate:
                 response = await client.put(f"/admin/adapters/{name}", json=body)
             if response.status_code not in (200, 202):
@@ -151,17 +157,18 @@ async def register(setup: AdminSetup, timeout_s: float = 3600) -> dict:
             failed = {v["name"]: v.get("error") for v in views if v["state"] == "failed"}
             if failed:
                 raise RuntimeError(f"admin loads failed: {dict(list(failed.items())[:3])}")
-            if all(states.get(n) == "warm" for n in setup.artifacts):
+            if all(states.get(n) in ready for n in setup.artifacts):
                 break
             if time.perf_counter() - started > timeout_s:
                 raise RuntimeError(
-                    f"not warm within {timeout_s} s: {sum(s == 'warm' for s in states.values())} of {len(setup.artifacts)}"
+                    f"not {ready[0]} within {timeout_s} s: {sum(s in ready for s in states.values())} of {len(setup.artifacts)}"
                 )
             await asyncio.sleep(0.1)
         seconds = time.perf_counter() - started
     blobs = [e for e in os.scandir(setup.cache_dir / "adapters" / "blobs") if e.is_file()]
     return {"admin_register_s": round(seconds, 2), "admin_adapters": len(views),
-            "admin_warm": sum(v["state"] == "warm" for v in views),
+            "admin_warm": sum(v["state"] == "warm" for v in views), "admin_warm_mode": warm,
+            "admin_remote": sum(v["tier"] == "remote" for v in views),
             "admin_digests_match": all(v["digest"] == setup.artifacts[v["name"]][1] for v in views),
             "host_cache_blobs": len(blobs), "host_cache_bytes": sum(e.stat().st_size for e in blobs),
             **setup.stats}  # fmt: skip

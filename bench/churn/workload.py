@@ -126,7 +126,7 @@ async def serve_trace(engine, arrivals, prompts, lens_out, adapters, tier_of=Non
     with ``tier_of(key)``, each request's TTFT under the tier its adapter was on when it arrived."""
     t0 = time.perf_counter()
     ttft, itl, ends, failed = [], [], [], 0
-    total = 0
+    total, timeline = 0, []
     by_tier: dict[str, list[float]] = {}
 
     async def one(i: int) -> None:
@@ -138,8 +138,10 @@ async def serve_trace(engine, arrivals, prompts, lens_out, adapters, tier_of=Non
         try:
             async for out in engine.add_request(prompts[i], params, adapter=adapters[i]):
                 now = time.perf_counter()
-                if last == start and tier is not None:
-                    by_tier.setdefault(tier, []).append(round((now - start) * 1e3, 1))
+                if last == start:
+                    timeline.append((round(start - t0, 3), round(now - start, 3)))  # (arrival s, TTFT s)
+                    if tier is not None:
+                        by_tier.setdefault(tier, []).append(round((now - start) * 1e3, 1))
                 (itl if last != start else ttft).append(now - last)
                 last = now
                 total += len(out.new_token_ids)
@@ -153,5 +155,5 @@ async def serve_trace(engine, arrivals, prompts, lens_out, adapters, tier_of=Non
     return {"tok_s": total / span, "seconds": span, "failed": failed,
             "ttft_p50_ms": float(np.percentile(ttft_ms, 50)), "ttft_p99_ms": float(np.percentile(ttft_ms, 99)),
             "itl_p50_ms": float(np.percentile(itl_ms, 50)), "itl_p99_ms": float(np.percentile(itl_ms, 99)),
-            "distinct": len({a for a in adapters if a}),
+            "distinct": len({a for a in adapters if a}), "timeline": sorted(timeline),
             **({"ttft_by_tier_ms": {t: sorted(v) for t, v in by_tier.items()}} if tier_of else {})}  # fmt: skip

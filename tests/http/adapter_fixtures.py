@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 
+from loraplane.artifacts.cache import HostCache
 from loraplane.artifacts.manifest import MANIFEST_FILE, Manifest
 from loraplane.http.adapters import AdapterRegistry
 from loraplane.http.admin import create_admin_app
@@ -28,7 +29,7 @@ from tests.adapter_factory import (
     resign_edited,
 )
 from tests.http.conftest import MODEL_NAME, ServerThread
-from tests.s3_servers import moto_server
+from tests.s3_servers import FaultProxy, moto_server
 
 ADMIN_TOKEN = "admin-token-0123456789"
 BUCKET = "adapters"
@@ -44,6 +45,7 @@ class AdapterWorld:
     published: dict[str, PublishedAdapter] = field(default_factory=dict)
     keys: Keys | None = None  # the trusted signing key
     s3: object = None  # a boto3 client of the bucket's server
+    proxy: FaultProxy | None = None  # between the pod and S3, when asked for
 
     def publish_edited(self, adapter: PublishedAdapter, version: str, edit, **manifest) -> PublishedAdapter:
         """A signed copy of ``adapter`` as ``version``, its files edited past pack's checks, in S3."""
@@ -111,9 +113,11 @@ def publish_all(workdir: Path, client, model_dir: Path, keys, other_keys) -> dic
 
 @contextlib.contextmanager
 def adapter_world(workdir: Path, engine, model_dir: Path, *, api_keys=None, wait_s: float = 5.0,
-                  metrics=None, routing_metrics: bool = False) -> Iterator[AdapterWorld]:  # fmt: skip
+                  metrics=None, routing_metrics: bool = False, s3_proxy: bool = False) -> Iterator[AdapterWorld]:  # fmt: skip
+    """``s3_proxy``: the pod reaches S3 through a FaultProxy (``world.proxy``) that can hold or break objects."""
     keys, other_keys = make_keys(workdir / "keys"), make_keys(workdir / "other-keys")
-    with moto_server() as endpoint, s3_env(endpoint):
+    with moto_server() as endpoint, s3_env(endpoint), contextlib.ExitStack() as stack:
+        proxy = stack.enter_context(FaultProxy(endpoint.url)) if s3_proxy else None
         endpoint.create_bucket(BUCKET)
         published = publish_all(workdir / "published", endpoint.client(), model_dir, keys, other_keys)
         app = create_app(engine, engine.engine.tokenizer, MODEL_NAME, api_keys, metrics=metrics,
@@ -121,12 +125,20 @@ def adapter_world(workdir: Path, engine, model_dir: Path, *, api_keys=None, wait
         state = app.state.server
         cache_dir = workdir / "cache"
         cache_dir.mkdir()
-        source = S3Source.create(cache_dir, 1 << 30, keys.trusted, engine.info)
-        registry = AdapterRegistry(engine, state.metrics, source.pull, source.release, source.pin)
+        if proxy is None:
+            source = S3Source.create(cache_dir, 1 << 30, keys.trusted, engine.info)
+        else:  # a long read timeout: a test holds an object at the proxy's gate on purpose
+            client = endpoint.client(url=proxy.url, read_timeout=120)
+            source = S3Source(HostCache(cache_dir / "adapters", 1 << 30, client), keys.trusted, engine.info)
+        registry = AdapterRegistry(
+            engine, state.metrics, source.pull, source.release, source.pin, source.inspect
+        )
         state.metrics.watch_engine(engine, source.cache)
         admin = create_admin_app(state, ADMIN_TOKEN, registry, wait_s=wait_s)
         with ServerThread(app) as public, ServerThread(admin) as admin_server:
-            world = AdapterWorld(public, admin_server, source, registry, published, keys, endpoint.client())
+            world = AdapterWorld(
+                public, admin_server, source, registry, published, keys, endpoint.client(), proxy
+            )
             try:
                 yield world
             finally:

@@ -5,7 +5,9 @@ The HTTP layer sees the engine through ``AsyncEngine`` and these types only, nev
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 
@@ -28,7 +30,7 @@ class AdapterInfo:
     version: str
     digest: str  # the manifest digest: the version's identity
     state: str  # "loaded" (usable) | "warm" (a real forward ran through it) | "failed"
-    tier: str  # where its weights are now: "gpu" | "host" | "disk"
+    tier: str  # where its weights are now: "gpu" | "host" | "disk" | "remote" (not fetched to this node yet)
     pinned: bool
     serving: bool  # the alias ``name`` routes to this version
     bytes: int  # weight bytes as held
@@ -40,6 +42,22 @@ class AdapterInfo:
     @property
     def key(self) -> str:
         return adapter_key(self.name, self.version)
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteAdapter:
+    """An adapter version whose files are not on this node yet (the "remote" tier). The engine registers it
+    from what its verified manifest says, and ``fetch`` brings the files when a request (or a warm-up) first
+    needs them: on a loader thread, in the loads' pipeline, never on the engine thread.
+
+    ``fetch()`` blocks until the files are in a verified local folder and returns it with the manifest digest
+    it verified; it raises on any failure (an exception with a CamelCase ``reason`` names it, else the
+    version fails as ``PullFailed``). The serving side owns the folder (the host cache entry) and releases it
+    when the version is unloaded."""
+
+    fetch: Callable[[], tuple[Path, str]]
+    ranks: dict[str, int]  # module -> rank (the largest over layers), from the signed manifest
+    nbytes: int  # the bytes the fetch brings (what the loader's byte bound counts)
 
 
 def adapter_key(name: str, version: str) -> str:

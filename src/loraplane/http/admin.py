@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplane.engine.api import AdapterError
-from loraplane.http.adapters import FAILED, WARM, AdapterRegistry, LoadFailed, LoadSpec, unload_from
+from loraplane.http.adapters import FAILED, LOADED, WARM, AdapterRegistry, LoadFailed, LoadSpec, unload_from
 from loraplane.http.auth import bearer_token
 from loraplane.http.errors import AUTHENTICATION, INVALID_REQUEST, NOT_FOUND, SERVER_ERROR
 from loraplane.http.logs import RequestLog
@@ -62,7 +62,9 @@ class LoadBody(BaseModel):
     version: Version
     manifest_digest: str | None = Field(default=None, pattern=DIGEST_PATTERN)
     pin: bool = False
-    warm: Literal["gpu", "host"] = "gpu"
+    # gpu | host: pull, load and warm now. lazy: verify the signed manifest only; the first request that
+    # names the version pulls it (on the engine's loader), so registering thousands pulls nothing.
+    warm: Literal["gpu", "host", "lazy"] = "gpu"
 
 
 class AliasBody(BaseModel):
@@ -182,12 +184,14 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
         if registry is None:
             raise AdminError(500, POD_FAILED, "this server has no --host-cache-dir: it cannot pull adapters",
                              SERVER_ERROR)  # fmt: skip
-        spec = LoadSpec(name, body.version, body.uri, body.manifest_digest, body.pin, body.warm == "gpu")
+        spec = LoadSpec(name, body.version, body.uri, body.manifest_digest, body.pin, body.warm == "gpu",
+                        lazy=body.warm == "lazy")  # fmt: skip
         entry = await registry.ensure(spec, wait_s)
         if entry.state == FAILED and entry.error is not None:
             raise entry.error
         view = _view_of(name, body.version)
-        return JSONResponse(view, status_code=200 if entry.state == WARM else 202)
+        done = entry.state == WARM or (spec.lazy and entry.state == LOADED)
+        return JSONResponse(view, status_code=200 if done else 202)
 
     def _view_of(name: str, version: str) -> dict:
         return next(v for v in _views(name) if v["version"] == version)

@@ -108,6 +108,10 @@ DECODE_TABLE: dict[tuple[int, tuple[int, ...]], dict[str, int]] = {
 }
 
 
+# Decode steps of at most this many tiles split shrink's K finer (more programs for a small batch).
+FEW_TILES = 16
+
+
 def capture_policy() -> CapturePolicy:
     return _CAPTURE[0]
 
@@ -155,7 +159,7 @@ def pick_config(
         split = 2  # run 2 sweep: 10-20% over split 1 at T=8192
     else:
         # Split K so each program reads ~256 (tiny batches) to ~1024 columns of A; planes summed by expand.
-        k_per = policy.k_per_program or (256 if tiles_bound <= 16 else 1024)
+        k_per = policy.k_per_program or (256 if tiles_bound <= FEW_TILES else 1024)
         split = 1
         while split < 16 and in_dim // (split * 2) >= max(k_per, block_k):
             split *= 2

@@ -60,7 +60,7 @@ def _shrink_tile(
         tl.store(v_ptrs, acc, mask=m_mask[:, None] & j_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tile_bound"])  # a step's tile count: no compile per value class
 def _shrink_kernel(
     x_ptr, stride_xt, a_ptr, stride_as, stride_ar, v_ptr, stride_vk, stride_vs, stride_vt,
     tiles_ptr, tile_bound, order_ptr, page_table_ptr, ranks_ptr, K,
@@ -172,7 +172,7 @@ def _expand_tile(
                 tl.store(y_ptrs, acc.to(yt.dtype), mask=m_mask[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tile_bound"])  # a step's tile count: no compile per value class
 def _expand_kernel(
     v_ptr, stride_vk, stride_vs, stride_vt, x_ptr, stride_xt, a_ptr, stride_as, stride_ar, K,
     bt_ptr, stride_br, y_ptr, stride_yt, tiles_ptr, tile_bound, order_ptr, page_table_ptr, ranks_ptr,

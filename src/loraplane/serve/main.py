@@ -170,7 +170,9 @@ def build_admin_app(app, token: str):
     if options is not None and options.host_cache_dir is not None:
         source = S3Source.create(options.host_cache_dir, options.host_adapter_bytes,
                                  app.state.trusted_keys, state.engine.info)  # fmt: skip
-        registry = AdapterRegistry(state.engine, state.metrics, source.pull, source.release, source.pin)
+        registry = AdapterRegistry(
+            state.engine, state.metrics, source.pull, source.release, source.pin, source.inspect
+        )
         state.metrics.watch_engine(state.engine, source.cache)
     else:
         state.metrics.watch_engine(state.engine)

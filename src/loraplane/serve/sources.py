@@ -1,6 +1,8 @@
 """Where adapter weights come from: ``s3://`` through the host cache, or a local PEFT folder.
 
-Both paths end in a folder the engine may load and the manifest digest that names the version. S3 adapters
+Both paths end in a folder the engine may load and the manifest digest that names the version. An S3
+version registered lazily is first only inspected (its manifest fetched and verified, no weights), and
+pulled when its first request needs it. S3 adapters
 are always signed: the host cache verifies the signature against the trusted keys, the base hash against the
 loaded base and every file's hash while it streams, then every file is hashed once more from the cached
 folder before the engine reads it. Local folders (``loraplane serve --adapter name=DIR``) must be signed when
@@ -19,7 +21,7 @@ from pathlib import Path
 
 from loraplane.artifacts import errors as E
 from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, WEIGHTS_FILE
-from loraplane.artifacts.verify import Policy, verify_folder
+from loraplane.artifacts.verify import Policy, fetch_verified_manifest, verify_folder
 from loraplane.engine.api import EngineInfo
 from loraplane.http.adapters import LoadSpec
 
@@ -34,6 +36,15 @@ class LocalPull:
     version: str
     download_s: float = 0.0
     verify_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteManifest:
+    """What a lazy registration knows of a version before its files are pulled: all from the signed manifest."""
+
+    digest: str  # "sha256:<hex>"
+    ranks: dict[str, int]  # module -> rank
+    nbytes: int  # every file's bytes: what the pull brings
 
 
 def policy_for(info: EngineInfo, pinned_digest: str | None = None) -> Policy:
@@ -69,9 +80,7 @@ class S3Source:
         )
         download_s = time.perf_counter() - started
         try:
-            if local.manifest.name != spec.name or local.manifest.version != spec.version:
-                raise E.ArtifactError(E.BAD_MANIFEST, f"the manifest names {local.manifest.name}@"
-                                      f"{local.manifest.version}, not {spec.name}@{spec.version}", "manifest.name")  # fmt: skip
+            _check_identity(local.manifest, spec)
             started = time.perf_counter()
             verify_folder(local.path, trusted_keys=self.trusted_keys, policy=policy)
             verify_s = time.perf_counter() - started
@@ -80,11 +89,36 @@ class S3Source:
             raise
         return LocalPull(local.path, local.digest, local.manifest.version, download_s, verify_s)
 
+    def inspect(self, spec: LoadSpec) -> RemoteManifest:
+        """Verify the version's manifest in S3 (signature, base hash, ranks and modules against the engine,
+        the pinned digest, its name and version, the listed files' sizes) without pulling its files."""
+        policy = policy_for(self.info_fn(), spec.digest)
+        verified = fetch_verified_manifest(
+            spec.uri,
+            trusted_keys=self.trusted_keys,
+            expected_base_hash=policy.expected_base_hash,
+            pinned_digest=spec.digest,
+            max_rank=policy.max_rank,
+            allowed_modules=policy.allowed_modules,
+            max_file_bytes=self.cache.max_file_bytes,
+            s3_client=self.cache.client,
+            retry=self.cache.retry,
+        )
+        manifest = verified.manifest
+        _check_identity(manifest, spec)
+        return RemoteManifest(verified.digest, dict(manifest.ranks), manifest.total_bytes)
+
     def release(self, digest: str) -> None:
         self.cache.release(digest)
 
     def pin(self, digest: str, pinned: bool) -> None:
         (self.cache.pin if pinned else self.cache.unpin)(digest)
+
+
+def _check_identity(manifest, spec: LoadSpec) -> None:
+    if manifest.name != spec.name or manifest.version != spec.version:
+        raise E.ArtifactError(E.BAD_MANIFEST, f"the manifest names {manifest.name}@{manifest.version}, "
+                              f"not {spec.name}@{spec.version}", "manifest.name")  # fmt: skip
 
 
 def open_local_folder(folder: Path, trusted_keys: dict[str, bytes] | None, info: EngineInfo) -> LocalPull:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplane.engine.api import AdapterError, AdapterInfo, AdapterLease, adapter_key
+from loraplane.engine.api import AdapterError, AdapterInfo, AdapterLease, RemoteAdapter, adapter_key
 
 if TYPE_CHECKING:
     from loraplane.engine.core.llm_engine import LLMEngine
@@ -56,12 +56,7 @@ class AdapterCommands:
         ``on_disk``: register it from its config and header alone; it loads when a request needs it.
         Idempotent per name@version and digest; another digest under the same name@version is a conflict."""
         lora = self._lora("adapter")
-        base = self.engine.runner.base_hash
-        if expected_base_hash is not None and expected_base_hash != base:
-            raise AdapterError(
-                "BaseMismatch",
-                f"{name}@{version}: built for base {expected_base_hash}, this engine serves {base}",
-            )
+        self._check_base(name, version, expected_base_hash)
         registered = lora.is_registered(adapter_key(name, version))
         if not registered and on_disk:
             return await asyncio.to_thread(
@@ -75,12 +70,35 @@ class AdapterCommands:
                                  load_s=time.perf_counter() - start)  # fmt: skip
         return lora.register(name, version, Path(folder), digest, None, pin=pin)
 
+    async def register_remote_adapter(self, name: str, version: str, digest: str, remote: RemoteAdapter, *,
+                                      pin: bool = False, expected_base_hash: str | None = None) -> AdapterInfo:  # fmt: skip
+        """Register a version whose files are not on this node (its ranks from the verified manifest);
+        ``remote.fetch`` runs on a loader worker when a request or a warm-up first needs it. Idempotent per
+        name@version and digest, like ``load_adapter``."""
+        lora = self._lora("adapter")
+        self._check_base(name, version, expected_base_hash)
+        return lora.register_remote(name, version, digest, remote, pin=pin)
+
+    def _check_base(self, name: str, version: str, expected_base_hash: str | None) -> None:
+        base = self.engine.runner.base_hash
+        if expected_base_hash is not None and expected_base_hash != base:
+            raise AdapterError(
+                "BaseMismatch",
+                f"{name}@{version}: built for base {expected_base_hash}, this engine serves {base}",
+            )
+
     async def warm_adapter(self, name: str, version: str, *, gpu: bool = True,
                            only_if_room: bool = False) -> AdapterInfo:  # fmt: skip
         """Make it GPU-resident and run one real forward through it (finite logits, else WarmFailed).
-        ``only_if_room``: skip it (it stays on its tier, loaded on demand) unless the pools have free room."""
+        ``only_if_room``: skip it (it stays on its tier, loaded on demand) unless the pools have free room.
+        A disk or remote version is read (or pulled) on a loader worker first, while the engine serves on
+        (``only_if_room``, a start-up warm-up, asks the engine thread about room first and reads there)."""
         lora, key = self._lora("adapter"), adapter_key(name, version)
         lora.get(key)
+        if gpu and not only_if_room:
+            loading = lora.prefetch(key)
+            if loading is not None:  # its outcome is the warm-up's: the engine thread reads it below
+                await asyncio.to_thread(concurrent.futures.wait, [loading])
 
         def warm() -> AdapterInfo:
             if gpu and not (only_if_room and not lora.has_room_for(key)):

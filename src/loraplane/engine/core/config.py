@@ -76,6 +76,10 @@ class EngineConfig:
     # the share moves at run time (many adapters and short contexts: more adapters; long contexts: more KV).
     # Same total memory either way. Tensor parallel serves only "split".
     memory_mode: str = "split"
+    # Compile the LoRA kernels of every rank class and step size at start (engine/model/lora_warmup.py), so
+    # that the first steps with a new rank or prompt size do not stall every tenant while Triton compiles.
+    # A few seconds more at start on an H200; CUDA devices only; tensor parallel: off.
+    lora_kernel_warmup: bool = True
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model != "", "model", "must be a non-empty path")
@@ -112,6 +116,7 @@ class EngineConfig:
             f"must be a positive int, got {self.cpu_kv_cache_bytes!r}",
         )
         _require(isinstance(self.enforce_eager, bool), "enforce_eager", "must be a bool")
+        _require(isinstance(self.lora_kernel_warmup, bool), "lora_kernel_warmup", "must be a bool")
         self.cuda_graph_batch_sizes = tuple(self.cuda_graph_batch_sizes)
         sizes = self.cuda_graph_batch_sizes
         _require(

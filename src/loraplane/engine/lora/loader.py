@@ -5,6 +5,9 @@ a load starts as soon as the bytes of the loads in flight leave room for it (one
 size). Parsing runs on worker threads and spends its time in a file read, a hash and a few large tensor
 ops, all of which release the GIL, so the engine thread keeps stepping while adapters load. When a load
 ends, ``on_done`` is called (the serving loop's wake-up: it may be blocked waiting for exactly this).
+
+A remote version's load starts with its ``fetch`` (the pull of its files from S3 into the host cache) on the
+same worker, so pulls share the loads' order and byte bound and never run on the engine thread.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ DEFAULT_MAX_BYTES = 2 << 30
 @dataclass(slots=True)
 class _Job:
     key: str
-    folder: Path
+    folder: Path | None
     sha256: str | None
     file_id: tuple | None
     nbytes: int
+    fetch: Callable[[], Path] | None = None  # brings the files first; returns their folder
     future: Future = field(default_factory=Future)
 
 
@@ -71,7 +75,15 @@ class AdapterLoader:
             nbytes = (Path(folder) / WEIGHTS_FILE).stat().st_size
         except OSError:
             nbytes = 0  # the parse names what is missing
-        job = _Job(key, Path(folder), sha256, file_id, nbytes)
+        return self._queue(_Job(key, Path(folder), sha256, file_id, nbytes))
+
+    def submit_fetch(self, key: str, fetch: Callable[[], Path], nbytes: int) -> Future:
+        """Queue a load whose files ``fetch`` brings first (blocking, on the worker; its exception fails the
+        load); ``nbytes``: what it brings, counted against the bytes in flight like a file's size."""
+        return self._queue(_Job(key, None, None, None, nbytes, fetch))
+
+    def _queue(self, job: _Job) -> Future:
+        key = job.key
         with self._lock:
             old = self._running.get(key) or self._queued.get(key)
             if old is not None:
@@ -109,7 +121,8 @@ class AdapterLoader:
 
     def _run(self, job: _Job) -> None:
         try:
-            weights = self.parse(job.folder, job.sha256, job.file_id)
+            folder = job.fetch() if job.fetch is not None else job.folder
+            weights = self.parse(folder, job.sha256, job.file_id)
         except BaseException as error:  # noqa: BLE001 - it belongs to the requests of this adapter
             job.future.set_exception(error)
         else:

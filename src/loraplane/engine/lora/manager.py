@@ -1,12 +1,12 @@
-"""``AdapterTiers``: the engine's adapter versions, their aliases, where their weights are (GPU, host, disk),
-and the scheduler's ``AdapterResidency``.
+"""``AdapterTiers``: the engine's adapter versions, their aliases, where their weights are (GPU, host, disk,
+remote), and the scheduler's ``AdapterResidency``.
 
 A version is ``name@version``; its identity is the manifest digest. ``register`` puts a parsed, validated
-version in the host tier; the scheduler then ``request``s it toward the GPU (disk -> host parses on the
-loader's worker threads, several at once; host -> GPU copies on a side stream), admits its requests once
-``is_ready``, and
-``acquire``/``release``s it around each running sequence. What a running or queued request needs, and what
-is pinned, is never evicted from either tier.
+version in the host tier (``register_on_disk``: only its folder; ``register_remote``: only its manifest,
+the files fetched on first need); the scheduler then ``request``s it toward the GPU (remote -> disk pulls
+and disk -> host parses on the loader's worker threads, several at once; host -> GPU copies on a side
+stream), admits its requests once ``is_ready``, and ``acquire``/``release``s it around each running
+sequence. What a running or queued request needs, and what is pinned, is never evicted from either tier.
 
 Threads: the registry (load, alias, pin, the read-only views) may be used from any thread under ``lock``;
 everything that touches the device (``poll``, ``prepare_step``, eviction, copies) runs on the engine thread.
@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
 
-from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
+from loraplane.engine.api import AdapterError, AdapterInfo, RemoteAdapter, adapter_key
 from loraplane.engine.lora.load_queue import LoadQueue
 from loraplane.engine.lora.loader import AdapterLoader
 from loraplane.engine.lora.pinned import PinnedArena, take_or_evict
+from loraplane.engine.lora.remote import checked_ranks
 from loraplane.engine.lora.safetensors_io import Reader, read_file
 from loraplane.engine.lora.tier_moves import TierMoves
 from loraplane.engine.lora.tiers import GpuTier, HostTier
@@ -150,21 +152,41 @@ class AdapterTiers(TierMoves):
         """Register a version whose weights stay in ``folder`` until a request needs them (only the config
         and the weights file's header are read now; the full checks run when it loads)."""
         ranks = header_ranks(folder, self.model_config, max_rank=self.max_rank)
+        return self._register_shape(name, version, Path(folder), digest, ranks, pin)
+
+    def register_remote(self, name: str, version: str, digest: str, remote: RemoteAdapter, *,
+                        pin: bool = False) -> AdapterInfo:  # fmt: skip
+        """Register a version whose files are not on this node: ``remote.fetch`` brings them on a loader
+        worker when a request or a warm-up first needs it (the usual parse and checks follow)."""
+        key = adapter_key(name, version)
+        ranks = checked_ranks(key, remote, self.max_rank, self.gpu.pools)
+        return self._register_shape(name, version, None, digest, ranks, pin, remote)
+
+    def _register_shape(self, name: str, version: str, folder: Path | None, digest: str,
+                        ranks: dict[str, int], pin: bool, remote: RemoteAdapter | None = None) -> AdapterInfo:  # fmt: skip
+        """A version known by its ranks alone (no weights parsed yet)."""
         key = adapter_key(name, version)
         with self.lock:
-            old = self.versions.get(key)
-            if old is not None:
+            if key in self.versions:
                 return self.register(name, version, folder, digest, None, pin=pin)
             for m, r in ranks.items():
                 if r > self.gpu.pools[m].num_pages:
                     raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
             shape = AdapterWeights(a={}, b={}, ranks=ranks)
-            v = AdapterVersion(
-                name, version, digest, Path(folder), shape.rank, self.gpu.bytes_for(shape), pin
-            )
-            v.ranks = ranks
+            v = AdapterVersion(name, version, digest, folder, shape.rank, self.gpu.bytes_for(shape), pin)
+            v.ranks, v.remote = ranks, remote
             self.versions[key] = v
             return self.info(key)
+
+    def prefetch(self, key: str) -> Future | None:
+        """Start loading a disk or remote version into the host tier (any thread: it only hands the read or
+        the pull to the loader), so a warm-up can wait for it off the engine thread. Its load, or None."""
+        with self.lock:
+            v = self.get(key)
+            if v.loading is None and v.state != "failed" and key not in self.host.entries:
+                if not self.gpu.holds(key) and (v.hashing is None or v.hashing.done()):
+                    v.loading = self._start_load(key, v)
+            return v.loading
 
     def get(self, key: str) -> AdapterVersion:
         v = self.versions.get(key)
@@ -246,7 +268,9 @@ class AdapterTiers(TierMoves):
                 return None
             if self.gpu.done(key):
                 return "gpu"
-            return "host" if key in self.host.entries else "disk"
+            if key in self.host.entries:
+                return "host"
+            return "disk" if self.versions[key].folder is not None else "remote"
 
     def info(self, key: str) -> AdapterInfo:
         with self.lock:
@@ -267,12 +291,15 @@ class AdapterTiers(TierMoves):
                     if not v.unloading and name in (None, v.name)]  # fmt: skip
 
     def tier_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes and entries per tier (disk: every registered version, whose folder stays the source)."""
+        """Bytes and entries per tier (disk: every version with a folder here, which stays its source;
+        remote: the versions whose files are not fetched yet)."""
         with self.lock:
+            remote = sum(v.folder is None for v in self.versions.values())
             return {
                 "gpu": {"bytes": self.gpu.bytes, "entries": len(self.gpu.slots), "capacity": self.gpu.capacity_bytes},
                 "host": {"bytes": self.host.bytes, "entries": len(self.host.entries), "capacity": self.host.limit_bytes},
-                "disk": {"bytes": 0, "entries": len(self.versions)},
+                "disk": {"bytes": 0, "entries": len(self.versions) - remote},
+                "remote": {"bytes": 0, "entries": remote},
             }  # fmt: skip
 
     # -- AdapterResidency (engine thread) ----------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""How an adapter version's weights move between the tiers (disk -> host -> GPU), and when they may be evicted.
+"""How an adapter version's weights move between the tiers (remote -> disk -> host -> GPU), and when they may
+be evicted.
 
 ``TierMoves`` is a base of ``AdapterTiers`` (manager.py), which keeps the registry and the step metadata; it
 works on the manager's ``versions``, ``wanted``, ``unloading``, ``step_keys``, tiers (``gpu``, ``host``) and
@@ -8,9 +9,12 @@ works on the manager's ``versions``, ``wanted``, ``unloading``, ``step_keys``, t
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future
+from pathlib import Path
 
 from loraplane.engine.api import AdapterError
-from loraplane.engine.lora.version import known_sha256
+from loraplane.engine.lora import remote
+from loraplane.engine.lora.version import AdapterVersion, known_sha256
 
 
 class TierMoves:
@@ -60,7 +64,7 @@ class TierMoves:
                 if v.hashing is not None and not v.hashing.done():
                     # The reload is checked against the first read's hash: never wait for it here.
                     return False
-                v.loading = self.loader.submit(key, v.folder, known_sha256(v), v.file_id)
+                v.loading = self._start_load(key, v)
             if not v.loading.done():
                 return False
             future, v.loading = v.loading, None
@@ -90,6 +94,21 @@ class TierMoves:
         self.gpu.start_copy(key, weights)
         v.timings["gpu_copy_issue"] = time.perf_counter() - start
         return self.gpu.done(key)
+
+    def _start_load(self, key: str, v: AdapterVersion) -> Future:
+        """Hand the version's load to the loader: a remote one's starts with the pull of its files."""
+        if v.folder is None:
+            return self.loader.submit_fetch(key, lambda: self._fetch(key, v), v.remote.nbytes)
+        return self.loader.submit(key, v.folder, known_sha256(v), v.file_id)
+
+    def _fetch(self, key: str, v: AdapterVersion) -> Path:
+        """A remote version's pull (a loader worker). Its folder is kept, so a reload after the host tier
+        dropped it reads the disk and never pulls again."""
+        start = time.perf_counter()
+        folder = remote.fetch(key, v.remote, v.digest)
+        with self.lock:
+            v.folder, v.timings["pull"] = folder, time.perf_counter() - start
+        return folder
 
     def poll(self) -> None:
         """Advance every pending load and free unloaded versions nothing uses any more."""

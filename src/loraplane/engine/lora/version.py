@@ -7,13 +7,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from loraplane.engine.api import RemoteAdapter
+
 
 @dataclass(slots=True)
 class AdapterVersion:
     name: str
     version: str
     digest: str
-    folder: Path
+    folder: Path | None  # None while it is remote: its files are not on this node yet
     rank: int
     pool_bytes: int  # what it costs in the GPU pools
     pinned: bool = False
@@ -29,6 +31,7 @@ class AdapterVersion:
     ranks: dict[str, int] = field(default_factory=dict)  # module -> rank (what it needs in each pool)
     hashing: Future | None = None  # the first read's hash, (digest, seconds), while sha256 is unknown
     file_id: tuple | None = None  # the weights file's identity when it hashed to sha256
+    remote: RemoteAdapter | None = None  # how its files are fetched, when it was registered remote
 
 
 def known_sha256(v: AdapterVersion) -> str | None:

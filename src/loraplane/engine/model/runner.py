@@ -28,6 +28,7 @@ from loraplane.engine.model.cuda_graphs import (
     lora_module_family,
 )
 from loraplane.engine.model.kv_budget import free_device_memory, num_split_kv_blocks
+from loraplane.engine.model.lora_warmup import warm_lora_kernels
 from loraplane.engine.model.model import CausalLM
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.engine.model.sampler import sample
@@ -130,6 +131,13 @@ class ModelRunner:
             sizes = tuple(s for s in config.cuda_graph_batch_sizes if s <= config.max_num_seqs)
             if sizes:
                 self._capture_graphs(sizes)
+        if (
+            self.device.type == "cuda"
+            and self.lora is not None
+            and config.lora_kernel_warmup
+            and self.tp is None
+        ):
+            self._warm_lora_kernels()
 
     # ------------------------------------------------------------------------------------ adapters
     def _init_lora(self, pools) -> None:
@@ -281,6 +289,14 @@ class ModelRunner:
         for splits in (1, 2, 4, 8, 16):
             paged_decode(q, layer.k_cache, layer.v_cache, tables, lens, 1.0, num_splits=splits)
         torch.cuda.synchronize()
+
+    def _warm_lora_kernels(self) -> None:
+        """Compile the eager LoRA launches (lora_warmup.py): prefill and mixed steps always; decode steps
+        too when some decode batch is not served by a captured graph."""
+        eager_decode = self.graphs is None or self.graphs.max_batch_size < self.config.max_num_seqs
+        kinds = ("prefill", "decode") if eager_decode else ("prefill",)
+        warm_lora_kernels(self.model, self.lora_state, self.lora, self.device, self.vocab_size,
+                          self.config.max_lora_rank, kinds)  # fmt: skip
 
     # --------------------------------------------------------------------------------------- inputs
     def _prepare(self, batch) -> StepInputs:

@@ -1,0 +1,108 @@
+"""Compile the eager LoRA launches at start, before the first requests with adapters need them.
+
+A prefill, mixed or uncaptured decode step with adapters picks its shrink and expand launch shapes per step
+(``kernels.launch_config.pick_config``): the rank class of its adapters and its tile count decide the
+compile-time constants. Triton compiles each new combination on first use, on the engine thread, for a
+fraction of a second to a second each: under adapter churn, the first steps of every new rank and size class
+stall every tenant (tens of compilations when ranks 8 to 64 and prompts of every length arrive at once).
+
+The warm-up runs one forward per (step kind, rank class, tile-count class), no KV written, with the LoRA
+metadata of requests on free pool slots: the metadata builder sees the class's rank, while the device's rank
+table says 0 for a free slot, so the kernels compile and launch but read and write nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan
+from loraplane.kernels.launch_config import FEW_TILES
+
+# pick_config's rank classes: its rank tile (block_r) is 16, 32 or 64 rows; larger ranks loop 64-row tiles.
+RANK_CLASSES = (16, 32, 64)
+
+
+def rank_classes(max_rank: int) -> list[int]:
+    """One rank per rank class that adapters of at most ``max_rank`` can fall in."""
+    out = []
+    for top in RANK_CLASSES:
+        out.append(min(top, max_rank))
+        if top >= max_rank:
+            break
+    return out
+
+
+def tile_counts(max_tiles: int) -> list[int]:
+    """Tile counts at which to warm: the powers of two up to ``max_tiles``, ``max_tiles``, and the first
+    count past decode's few-tiles split of K.
+
+    For widths that are multiples of 16, pick_config's column chunk doubles as the tile count about doubles:
+    each of its classes is an interval [a, b) of tile counts with b >= 2a - 1 (integer division), cut at the
+    largest possible one, so it holds a power of two or that largest count. (Widths that are not are
+    masked tensor-parallel shards, whose engines do not warm.) The split of K changes once, after FEW_TILES; a class that spans
+    that step holds FEW_TILES (a power of two) below it and FEW_TILES + 1 above it."""
+    counts, t = set(), 1
+    while t < max_tiles:
+        counts.add(t)
+        t *= 2
+    counts |= {c for c in (FEW_TILES + 1, max_tiles) if 1 <= c <= max_tiles}
+    return sorted(counts)
+
+
+def requests_for_tiles(
+    tiles: int, tile_m: int, free_slots: list[int], capacity: int
+) -> list[tuple[int, int]]:
+    """(slot, tokens) requests whose metadata has exactly ``tiles`` tiles of ``tile_m`` rows, using as few
+    tokens as the free slots allow (one-token groups, one tile each, then one long group); [] if the
+    metadata's token capacity cannot hold them."""
+    groups = min(tiles, len(free_slots))
+    if groups == 0:
+        return []
+    last = (tiles - groups) * tile_m + 1  # tokens for the last group's tiles - groups + 1 tiles
+    reqs = [(slot, 1) for slot in free_slots[: groups - 1]] + [(free_slots[groups - 1], last)]
+    return reqs if sum(n for _, n in reqs) <= capacity else []
+
+
+def max_tiles(capacity: int, tile_m: int, slots: int) -> int:
+    """The most tiles one step can have: one-token groups on all slots but one, the rest in one group."""
+    groups = min(slots, capacity)
+    return 0 if groups == 0 else groups - 1 + -(-(capacity - groups + 1) // tile_m)
+
+
+def warm_plan(max_rank: int, kinds: dict[str, tuple[int, int]], free_slots: list[int]):
+    """(kind, rank, requests) per warm-up forward. ``kinds``: step kind -> (token capacity, tile_m)."""
+    plan = []
+    for kind, (capacity, tile_m) in kinds.items():
+        reachable = max_tiles(capacity, tile_m, len(free_slots))
+        for rank in rank_classes(max_rank):
+            for tiles in tile_counts(reachable):
+                reqs = requests_for_tiles(tiles, tile_m, free_slots, capacity)
+                if reqs:
+                    plan.append((kind, rank, reqs))
+    return plan
+
+
+@torch.inference_mode()
+def warm_lora_kernels(model, lora_state, tiers, device: torch.device, vocab_size: int, max_rank: int,
+                      kinds: tuple[str, ...]) -> int:  # fmt: skip
+    """Run the warm-up forwards of ``kinds`` (of ``tiers``' metadata builders); returns how many ran. Only
+    slots free in every pool are used, so nothing an adapter holds is touched."""
+    free = [s for s in range(tiers.gpu.num_slots) if tiers.gpu.ranks[s] == 0]
+    builders = {k: tiers._metas[k] for k in kinds if k in tiers._metas}
+    plan = warm_plan(max_rank, {k: (m.capacity, m.tile_m) for k, m in builders.items()}, free)
+    for kind, rank, reqs in plan:
+        ranks = list(tiers.gpu.ranks)
+        for slot, _ in reqs:
+            ranks[slot] = rank  # the builder's view only: the device rank table keeps 0 (no work)
+        meta = builders[kind].build(reqs, ranks)
+        lora_state.metas = dict.fromkeys(lora_state.pools, meta)
+        n = sum(t for _, t in reqs)
+        ids = torch.arange(1, n + 1, device=device) % vocab_size  # [n]
+        positions = torch.arange(n, device=device)  # [n]
+        attn = AttentionMetadata(slot_mapping=torch.full((n,), -1, device=device),
+                                 prefill=[PrefillSpan(0, n, n, -1)])  # fmt: skip
+        model(ids, positions, attn, torch.tensor([n - 1], device=device))
+    lora_state.metas = dict.fromkeys(lora_state.pools)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return len(plan)
