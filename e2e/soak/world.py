@@ -39,10 +39,10 @@ def tiny_model(folder: Path) -> Path:
 
 @contextlib.contextmanager
 def started_stack(
-    workdir: Path, plane: ControlPlane | None = None, model_dir: Path | None = None
+    workdir: Path, plane: ControlPlane | None = None, model_dir: Path | None = None, env: dict | None = None
 ) -> Iterator[Stack]:
     """S3 + chart (in a namespace of its own) + kubelet on ``plane`` (default: a control plane of its own);
-    every process it started is stopped on the way out."""
+    every process it started is stopped on the way out. ``env``: more environment for every Pod's process."""
     own = plane is None
     plane = ControlPlane.start(workdir / "cluster") if own else plane
     try:
@@ -58,8 +58,8 @@ def started_stack(
                 stack.install_chart("--set", f"metrics.port={free_port()}")
                 plane.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
                 # Pods run this checkout's sources, whatever the environment's editable install points at.
-                env = {"PYTHONPATH": str(REPO_ROOT / "src")}
-                stack.runtime = ProcessRuntime(plane, stack.workdir / "pods", extra_env=env)
+                pod_env = {"PYTHONPATH": str(REPO_ROOT / "src"), **(env or {})}
+                stack.runtime = ProcessRuntime(plane, stack.workdir / "pods", extra_env=pod_env)
                 stack.kubelet = Kubelet(plane, namespace, stack.runtime).__enter__()
                 yield stack
             finally:

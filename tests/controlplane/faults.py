@@ -40,6 +40,7 @@ class FaultProxy:
         self.plane = plane
         self.rules: list[Rule] = []
         self.requests: list[tuple[str, str, int]] = []
+        self.connections = 0  # TCP connections accepted from clients (a pooled client keeps a few alive)
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"proxy": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -67,12 +68,15 @@ class FaultProxy:
     def count(self, method: str, contains: str = "") -> int:
         return sum(1 for m, path, _ in self.requests if m == method.upper() and contains in path)
 
-    def api_client(self, token: str | None = None):
-        """A ``kubernetes.client.ApiClient`` that goes through the proxy (admin unless ``token``)."""
+    def api_client(self, token: str | None = None, pool_size: int | None = None):
+        """A ``kubernetes.client.ApiClient`` that goes through the proxy (admin unless ``token``), keeping up to
+        ``pool_size`` connections alive (the client's default, 10, unless given)."""
         from kubernetes import client
 
         configuration = client.Configuration()
         configuration.host = self.url
+        if pool_size:
+            configuration.connection_pool_maxsize = pool_size
         configuration.api_key = {"authorization": f"Bearer {token or self.plane.admin_token}"}
         return client.ApiClient(configuration)
 
@@ -92,6 +96,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, *args) -> None:  # quiet test output
         pass
+
+    def setup(self) -> None:  # once per client connection (HTTP/1.1: many requests each)
+        super().setup()
+        with self.proxy._lock:
+            self.proxy.connections += 1
 
     def _relay(self) -> None:
         proxy, method = self.proxy, self.command

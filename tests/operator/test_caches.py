@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import kopf
+
+from loraplane.operator.admin_client import PodAddress
+from loraplane.operator.builders import BASE_LABEL
 from loraplane.operator.caches import (
     Backoff,
     Expiring,
@@ -13,6 +17,8 @@ from loraplane.operator.caches import (
     Snapshots,
     StatusEcho,
 )
+from loraplane.operator.context import Context
+from loraplane.operator.handlers import pod_event
 
 
 async def test_concurrent_asks_share_one_fetch_and_results_stay_bounded():
@@ -80,6 +86,35 @@ async def test_snapshots_of_pods_that_are_gone_are_dropped_once_stale():
     await asyncio.sleep(0.06)
     await snaps.get("pod-d", 0.01, listing)  # any new listing sweeps out the stale ones
     assert list(snaps._taken) == ["pod-d"]
+
+
+async def test_a_deleted_pods_listings_are_dropped_at_once():
+    snaps: Snapshots[tuple[str, str], str] = Snapshots()
+
+    async def listing() -> str:
+        return "listing"
+
+    for key in (("pod-a", "10.0.0.1"), ("pod-a", "10.0.0.9"), ("pod-b", "10.0.0.2")):
+        await snaps.get(key, 60.0, listing)
+    snaps.drop_if(lambda key: key[0] == "pod-a")
+    assert list(snaps._taken) == [("pod-b", "10.0.0.2")]
+
+
+async def test_the_pod_watch_drops_a_deleted_pods_listing():
+    ctx = Context(kube=None)  # the handler touches only the caches and wake-ups
+    a, b = PodAddress("demo-a", "10.0.0.1", 8001), PodAddress("demo-b", "10.0.0.2", 8001)
+
+    async def listing() -> dict:
+        return {}
+
+    for pod in (a, b):
+        await ctx.snapshots.get(pod, 60.0, listing)
+    memo = kopf.Memo(ctx=ctx)
+    labels = {BASE_LABEL: "demo"}
+    pod_event(type="MODIFIED", namespace="ns", name="demo-a", labels=labels, memo=memo, adapters_by_base={})
+    assert set(ctx.snapshots._taken) == {a, b}, "a pod that changed keeps its listing"
+    pod_event(type="DELETED", namespace="ns", name="demo-a", labels=labels, memo=memo, adapters_by_base={})
+    assert set(ctx.snapshots._taken) == {b}
 
 
 def test_memo_builds_once_and_fingerprints_report_changes_once():

@@ -10,7 +10,7 @@ import asyncio
 
 from loraplane.operator import builders as B
 from loraplane.operator.crd_models import BaseSpec
-from loraplane.operator.kube import Kube, Ref, is_subset
+from loraplane.operator.kube import API_THREADS, EVENT_SOURCE, Kube, Ref, is_subset
 from tests.controlplane.faults import FaultProxy
 
 
@@ -76,6 +76,53 @@ def test_concurrent_secret_reads_make_one_get_and_a_rotation_is_seen(control_pla
                               content_type="application/merge-patch+json")  # fmt: skip
         kube.forget_secret(namespace, "s3")
         assert asyncio.run(kube.secret_data(namespace, "s3")) == {"key": "three"}, "forgotten: read again"
+
+
+def test_events_go_through_the_pooled_client_with_kopfs_fields(control_plane, namespace):
+    """A burst of Events (every adapter's status write when a pod is replaced) reuses the client's kept-alive
+    connections instead of opening one each; each Event carries the fields `kubectl describe` shows."""
+    base = _base(control_plane, namespace)
+    with FaultProxy(control_plane) as proxy:
+        kube = Kube(proxy.api_client(pool_size=API_THREADS))  # as load_api_client sizes it
+
+        async def burst() -> list[bool]:
+            return await asyncio.gather(
+                *(kube.event(base, "Normal", "Loaded", f"event {i}") for i in range(80))
+            )
+
+        assert asyncio.run(burst()) == [True] * 80
+        assert asyncio.run(burst()) == [True] * 80
+        assert proxy.count("POST", "/events") == 160
+        assert proxy.connections <= API_THREADS, f"{proxy.connections} connections for 160 Events"
+    events = [e for e in control_plane.list("v1", "Event", namespace) if e.get("reason") == "Loaded"]
+    assert len(events) == 160
+    event = events[0]
+    involved = event["involvedObject"]
+    assert (involved["kind"], involved["name"], involved["uid"]) == (
+        "LoRABase",
+        "demo",
+        base["metadata"]["uid"],
+    )
+    assert involved["apiVersion"] == "loraplane.dev/v1alpha1" and involved["namespace"] == namespace
+    assert (event["type"], event["source"]["component"], event["count"]) == ("Normal", EVENT_SOURCE, 1)
+    assert event["firstTimestamp"] and event["lastTimestamp"] and event["message"].startswith("event ")
+
+
+def test_an_event_that_cannot_be_posted_is_logged_not_raised(control_plane, namespace, caplog):
+    base = _base(control_plane, namespace)
+    with FaultProxy(control_plane) as proxy:
+        kube = Kube(proxy.api_client())
+        proxy.fail("POST", rf"/api/v1/namespaces/{namespace}/events", 500)
+        assert asyncio.run(kube.event(base, "Warning", "WarmFailed", "x" * 5000)) is False
+        assert "could not post the Event Warning WarmFailed" in caplog.text
+
+        async def in_background() -> None:
+            kube.post_event(base, "Warning", "WarmFailed", "x" * 5000)  # a pass does not wait for it
+            await asyncio.gather(*kube._posting)
+
+        asyncio.run(in_background())
+    posted = [e for e in control_plane.list("v1", "Event", namespace) if e.get("reason") == "WarmFailed"]
+    assert len(posted) == 1 and len(posted[0]["message"]) == 1024, "the message is cut to Kubernetes' bound"
 
 
 def test_status_patch_of_a_missing_object_is_none(control_plane, namespace):

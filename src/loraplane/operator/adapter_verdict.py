@@ -21,6 +21,7 @@ class Verdict:
     failed: bool = False
     pending: bool = False
     rolled_back: list = field(default_factory=list)  # pods switched back or cleaned after a failure
+    token: str = field(default="", repr=False)  # the admin token used (a quiet drift check reuses it)
 
     def set(self, type_: str, status: str, reason: str, message: str) -> None:
         self.conditions[type_] = (status, reason, message)

@@ -10,6 +10,7 @@ rebuilt after a restart: state lives in the API (specs, status) and in the pods 
 | ``StatusEcho`` | publish.py | the object our last status patch returned, newer than the watch's copy |
 | ``Backoff`` | context.py | consecutive failures per key, for exponential retry delays |
 | ``Expiring`` | kube.py | Secrets read by name, for ``ttl`` seconds; concurrent misses share one GET |
+| ``Quiet`` | reconcile_adapter.py | what an adapter's last settled pass read and saw, so an idle drift check can stop early |
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ K = TypeVar("K", bound=Hashable)
 V = TypeVar("V")
 
 STALE_AFTER = 300.0  # seconds after which a pod's listing is dropped from Snapshots
+FULL_PASS_EVERY = 300.0  # seconds: an adapter found quiet still gets a full pass (Secrets, policy) this often
 MAX_ENTRIES = 4096  # far above what one namespace holds; a bound so a churn of names cannot grow memory
 
 
@@ -145,6 +147,12 @@ class Snapshots(Generic[K, V]):
     def drop(self, key: K) -> None:
         self._taken.pop(key, None)
 
+    def drop_if(self, gone: Callable[[K], bool]) -> None:
+        """Drop the listings of every key ``gone`` says is gone (a deleted pod's, at once: its name and
+        address never come back, so waiting ``stale_after`` for it only keeps memory)."""
+        for key in [k for k in self._taken if gone(k)]:
+            del self._taken[key]
+
     def amend(self, key: K, update: Callable[[V], V]) -> None:
         """Replace a taken listing by ``update(listing)``, keeping its age: what one caller just observed of
         its own part. Each of thousands of adapters that acts on a pod would otherwise drop the listing and
@@ -214,3 +222,30 @@ class Backoff(Generic[K]):
 
     def reset(self, key: K) -> None:
         self._failures.pop(key, None)
+
+
+@dataclass(slots=True)
+class Quiet(Generic[K]):
+    """Per adapter, what its last settled pass read (its object's and its base's resourceVersion, the ready
+    pods) with what it needs to look again (the admin token, the pods it is placed on) and what the pods held of
+    it. A drift check whose reads are unchanged only looks at the pods; at thousands of adapters the full pass
+    (spec models, policy, Secrets, status comparison) made the idle operator's CPU grow with adapters x time."""
+
+    full_every: float = FULL_PASS_EVERY
+    max_entries: int = MAX_ENTRIES
+    _kept: dict[K, tuple[Any, Any, float]] = field(default_factory=dict)  # key -> (reads, seen, when)
+
+    def remember(self, key: K, reads: Any, seen: Any) -> None:
+        if len(self._kept) >= self.max_entries and key not in self._kept:
+            self._kept.clear()
+        self._kept[key] = (reads, seen, time.monotonic())
+
+    def seen(self, key: K, reads: Any) -> Any | None:
+        """What the last settled pass saw, if it read the same and is recent enough; else None."""
+        kept = self._kept.get(key)
+        if kept is None or kept[0] != reads or time.monotonic() - kept[2] >= self.full_every:
+            return None
+        return kept[1]
+
+    def forget(self, key: K) -> None:
+        self._kept.pop(key, None)

@@ -40,7 +40,7 @@ class Pass:
                 "steps": len(self.spec.rollout.steps), "weight": 0, "observedGeneration": self.generation}  # fmt: skip
 
     def event(self, type_: str, reason: str, message: str) -> None:
-        post_event(self.adapter, type_, reason, f"{self.target.version}: {message}")
+        post_event(self.ctx, self.adapter, type_, reason, f"{self.target.version}: {message}")
 
     async def split_all(self, views, weight: int) -> dict[str, AdminError]:
         version = self.target.version

@@ -111,13 +111,14 @@ def _parser() -> argparse.ArgumentParser:
 def run(args) -> int:
     import kopf
 
-    from loraplane.operator import allocator, handlers  # noqa: F401  (handlers: registers the handlers)
+    from loraplane.operator import allocator, handlers, memtrace  # noqa: F401  (handlers: registers them)
     from loraplane.operator.context import Context
     from loraplane.operator.kube import Kube, load_api_client
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
     allocator.release_large_blocks()  # else RSS ratchets up at every burst of connections
+    memtrace.install_from_env()  # off unless LORAPLANE_TRACEMALLOC names a file
     if args.metrics_port:
         from prometheus_client import start_http_server
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from loraplane.operator.admin_client import AdminClient
 from loraplane.operator.builders import ADMIN_PORT
-from loraplane.operator.caches import Backoff, Fingerprints, Memo, SharedResults, Snapshots, StatusEcho
+from loraplane.operator.caches import Backoff, Fingerprints, Memo, Quiet, SharedResults, Snapshots, StatusEcho
 from loraplane.operator.kube import Kube
 from loraplane.operator.policy import OperatorPolicy
 
@@ -54,6 +54,7 @@ class Context:
     fingerprints: Fingerprints = field(default_factory=Fingerprints)  # base key -> what adapters care about
     echo: StatusEcho = field(default_factory=StatusEcho)  # API path -> our last status patch's answer
     failures: Backoff = field(default_factory=Backoff)  # (uid, generation) or (key, "error") -> failures
+    quiet: Quiet = field(default_factory=Quiet)  # API path -> what an adapter's last settled pass saw
     _events: dict = field(default_factory=dict)
     _limit: asyncio.Semaphore | None = None
 
@@ -102,3 +103,4 @@ class Context:
     def forget(self, key: tuple, path: str = "") -> None:
         self._events.pop(key, None)
         self.echo.forget(path)
+        self.quiet.forget(path)

@@ -145,8 +145,10 @@ def base_event(type, body, namespace, name, memo, adapters_by_base, **_):
 
 
 @kopf.on.event("pods", labels={BASE_LABEL: kopf.PRESENT})
-def pod_event(namespace, labels, memo, adapters_by_base, **_):
+def pod_event(type, namespace, name, labels, memo, adapters_by_base, **_):
     base = labels[BASE_LABEL]
+    if type == "DELETED":  # its listing is never asked for again
+        memo.ctx.snapshots.drop_if(lambda address: address.name == name)
     memo.ctx.wake((BASE, namespace, base))
     for adapter in adapters_by_base.get((namespace, base), ()):
         memo.ctx.wake((ADAPTER, namespace, adapter))

@@ -17,6 +17,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
@@ -32,6 +33,8 @@ CONFLICT_RETRIES = 8
 # calls never queue behind slow work (S3 reads) in the event loop's default pool of cores + 4 threads.
 API_THREADS = 16
 SECRET_TTL = 30.0  # seconds a Secret read is reused: a rotated Secret is seen within this
+EVENT_SOURCE = "loraplane-operator"  # an Event's source.component: the "From" column of `kubectl describe`
+EVENT_MESSAGE_MAX = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +84,7 @@ class Kube:
         self._discovery: dict[str, tuple[float, frozenset[str]]] = {}  # group/version -> (when, plurals)
         self.discovery_ttl = discovery_ttl
         self._threads = concurrent.futures.ThreadPoolExecutor(API_THREADS, thread_name_prefix="kube")
+        self._posting: set[asyncio.Task] = set()  # Events on their way (a task is dropped when done)
 
     # --- raw calls ---------------------------------------------------------------------------------
     def _call(
@@ -207,6 +211,52 @@ class Kube:
             if exc.status == 404:
                 return None
             raise
+
+    # --- Events ------------------------------------------------------------------------------------
+    async def event(self, obj: dict, type_: str, reason: str, message: str) -> bool:
+        """Post a core/v1 Event about ``obj`` through this client's pool of kept-alive connections. (kopf's
+        ``kopf.event`` posts each through a connector without a limit: a burst of Events, as when a replaced
+        pod makes every adapter write its status, opened a TLS connection each, and the heap kept the
+        high-water mark of their buffers.) An Event is auxiliary: a failure to post it is logged, never
+        raised. True when posted."""
+        body = event_body(obj, type_, reason, message)
+        try:
+            await self.call("POST", f"/api/v1/namespaces/{body['metadata']['namespace']}/events", body=body)
+            return True
+        except Exception as exc:  # noqa: BLE001 - an Event must never fail the pass that posts it
+            log.warning("could not post the Event %s %s on %s/%s: %s", type_, reason,
+                        body["metadata"]["namespace"], body["involvedObject"].get("name"), exc)  # fmt: skip
+            return False
+
+    def post_event(self, obj: dict, type_: str, reason: str, message: str) -> None:
+        """``event`` in the background: the pass that posts it does not wait for the API server."""
+        task = asyncio.get_running_loop().create_task(self.event(obj, type_, reason, message))
+        self._posting.add(task)
+        task.add_done_callback(self._posting.discard)
+
+
+def event_body(obj: dict, type_: str, reason: str, message: str) -> dict:
+    """The Event kopf wrote, field for field: involvedObject, reason, message, type, source, timestamps, count."""
+    meta = obj.get("metadata") or {}
+    namespace = meta.get("namespace") or "default"
+    involved = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta.get("name"),
+                "namespace": namespace, "uid": meta.get("uid")}  # fmt: skip
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"namespace": namespace, "generateName": f"{meta.get('name') or 'object'}."},
+        "involvedObject": {k: v for k, v in involved.items() if v},
+        "reason": reason,
+        "message": message[:EVENT_MESSAGE_MAX],
+        "type": type_,
+        "source": {"component": EVENT_SOURCE},
+        "reportingComponent": EVENT_SOURCE,
+        "reportingInstance": EVENT_SOURCE,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
 
 
 def _same_controller(existing: dict, desired: dict) -> bool:

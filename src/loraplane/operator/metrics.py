@@ -24,6 +24,10 @@ ADAPTER_STATE = Gauge(
 ADAPTER_PODS = Gauge(
     "loraplane_operator_adapter_ready_pods", "Pods serving the desired version.", ["namespace", "adapter"]
 )
+QUIET_CHECKS = Counter(
+    "loraplane_operator_quiet_checks_total",
+    "Drift checks of a settled LoRAAdapter that only looked at its pods: nothing it reads had changed.",
+)
 STATES = ("Ready", "Progressing", "Degraded", "Invalid")
 
 

@@ -2,16 +2,10 @@
 
 from __future__ import annotations
 
-import logging
-
-import kopf
-
 from loraplane.operator import conditions as C
 from loraplane.operator.context import Context
 from loraplane.operator.crd_objects import status_patch
 from loraplane.operator.kube import Ref
-
-log = logging.getLogger(__name__)
 
 # Conditions whose True is bad news (their Events are Warnings when True).
 _NEGATIVE = frozenset({C.DEGRADED})
@@ -35,7 +29,7 @@ async def publish(ctx: Context, body: dict, ref: Ref, status: dict) -> bool:
     changed = [c for c in C.transitions(old.get("conditions"), status.get("conditions") or [])
                if c["status"] != C.UNKNOWN]  # fmt: skip
     for event in events_of(changed):
-        post_event(body, *event)
+        post_event(ctx, body, *event)
     return True
 
 
@@ -70,9 +64,6 @@ def _event_of(changed: list[dict]) -> tuple[str, str, str]:
     return ("Warning" if bad else "Normal"), lead["reason"], message[:1024]
 
 
-def post_event(body: dict, type_: str, reason: str, message: str) -> None:
-    try:
-        kopf.event(dict(body), type=type_, reason=reason, message=message)
-    except Exception:  # outside a running operator (no posting queue): the log still says it
-        meta = body.get("metadata") or {}
-        log.info("%s/%s %s: %s", meta.get("namespace"), meta.get("name"), reason, message)
+def post_event(ctx: Context, body: dict, type_: str, reason: str, message: str) -> None:
+    """An Event about ``body``, posted in the background through the operator's own API client."""
+    ctx.kube.post_event(body, type_, reason, message)

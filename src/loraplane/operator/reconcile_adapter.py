@@ -117,7 +117,7 @@ async def run_pass(
     try:
         base_spec = BaseSpec.parse(base.get("spec") or {})
         await check_base_policy(ctx, namespace, base, base_spec)  # its endpoint and Secrets are used below
-        token = await admin_token(ctx, namespace, base, base_spec)
+        token = verdict.token = await admin_token(ctx, namespace, base, base_spec)
     except SpecError as exc:
         verdict.fail(C.BASE_NOT_READY, f"the LoRABase is invalid: {exc}", validated=C.UNKNOWN)
         return verdict, views
@@ -195,6 +195,9 @@ async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[P
     """One pass; returns the seconds until the next one."""
     meta = adapter["metadata"]
     ref = custom_ref(ADAPTER_PLURAL, meta["namespace"], meta["name"])
+    if await _still_quiet(ctx, ref.path(), _reads(adapter, base, pods), meta["name"]):
+        metrics.QUIET_CHECKS.inc()
+        return ctx.backoff((meta["uid"], meta.get("generation")), False)
     with metrics.reconcile_timer("LoRAAdapter") as outcome:
         if not (adapter.get("status") or {}).get("conditions"):  # first visit: everything Unknown
             first = {"conditions": C.initial(C.ADAPTER_CONDITIONS, meta.get("generation", 0))}
@@ -204,12 +207,43 @@ async def reconcile(ctx: Context, adapter: dict, base: dict | None, pods: list[P
         await publish(ctx, adapter, ref, status_of(adapter, verdict, views, C.now()))
         if verdict.rolled_back:
             message = f"{spec_version(adapter)} failed; rolled back on {', '.join(verdict.rolled_back)}"
-            post_event(adapter, "Warning", C.ROLLED_BACK, message)
+            post_event(ctx, adapter, "Warning", C.ROLLED_BACK, message)
         metrics.set_adapter_state(meta["namespace"], meta["name"], metric_state(verdict),
                                   verdict.fields.get("readyPods", 0))  # fmt: skip
         outcome["result"] = "retry" if verdict.failed else "ok"
+    if _settled(adapter, verdict, views):
+        # as of our own status write, if the pass made one: the next pass reads that resourceVersion
+        reads = _reads(ctx.echo.newest(ref.path(), adapter), base, pods)
+        ctx.quiet.remember(ref.path(), reads, (verdict.token, [(v.address, v.loaded) for v in views]))
+    else:
+        ctx.quiet.forget(ref.path())
     delay = ctx.backoff((meta["uid"], meta.get("generation")), verdict.failed)
     return min(delay, ctx.tunables.poll_interval) if verdict.pending and not verdict.failed else delay
+
+
+def _reads(adapter: dict, base: dict | None, pods: list[PodAddress]) -> tuple:
+    """What a pass decides on besides the pods' listings: the adapter (spec and status), its base, its pods."""
+    base_version = ((base or {}).get("metadata") or {}).get("resourceVersion")
+    return adapter["metadata"].get("resourceVersion"), base_version, tuple(pods)
+
+
+def _settled(adapter: dict, verdict: Verdict, views: list[R.PodView]) -> bool:
+    """A pass that found nothing to do and nothing wrong, outside a canary (whose steps run on a clock)."""
+    rollout = (adapter.get("spec") or {}).get("rollout") or {}
+    return (not verdict.failed and not verdict.pending and not verdict.rolled_back and bool(verdict.token)
+            and all(v.reachable and v.error is None for v in views) and rollout.get("strategy") != "Canary"
+            and not (adapter.get("status") or {}).get("canary"))  # fmt: skip
+
+
+async def _still_quiet(ctx: Context, path: str, reads: tuple, name: str) -> bool:
+    """A drift check of a settled adapter whose object, base and pods are as its last pass read them: the pods
+    (their shared listings, one GET per pod however many adapters ask) still hold what that pass saw."""
+    seen = ctx.quiet.seen(path, reads)
+    if seen is None:
+        return False
+    token, before = seen
+    views = await observe(ctx, [address for address, _ in before], token, name, shared=True)
+    return [(v.address, v.loaded) for v in views] == before
 
 
 async def finalize(
