@@ -129,8 +129,9 @@ def test_sign_rechecks_files_and_a_new_pack_voids_the_signature(tmp_path, keys):
 
 
 def test_packing_shared_files_hashes_each_once_and_a_rewrite_is_seen(tmp_path, keys, monkeypatch):
-    """Many artifacts over one weights file (hard links): each settled file is hashed and checked once per
-    process; a rewrite that keeps the size and puts the mtime back still changes the ctime, and is hashed."""
+    """Many artifacts over one weights file (hard links): packing hashes and checks each settled file once
+    per process (signing, the gate, hashes it every time); a rewrite that keeps the size and puts the mtime
+    back still changes the ctime, and is hashed again."""
     import os
     import time
 
@@ -156,7 +157,7 @@ def test_packing_shared_files_hashes_each_once_and_a_rewrite_is_seen(tmp_path, k
         )
         sign_folder(folder, keys.private_pem)
     assert len(digests) == 1
-    assert hashed.count(weights.name) == 1  # 4 packs and 4 signs of one file
+    assert hashed.count(weights.name) == 1 + len(folders)  # the first pack, then each sign
 
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1  # the last byte of some tensor: same size, other bytes
@@ -166,4 +167,6 @@ def test_packing_shared_files_hashes_each_once_and_a_rewrite_is_seen(tmp_path, k
     with pytest.raises(E.ArtifactError) as err:
         sign_folder(folders[1], keys.private_pem)
     assert err.value.reason == E.FILE_HASH_MISMATCH
-    assert hashed.count(weights.name) == 2
+    before = hashed.count(weights.name)
+    new = pack_folder(folders[2], name="a2", version="v2", base_hash=HASH).files[weights.name].sha256
+    assert hashed.count(weights.name) == before + 1 and new not in digests

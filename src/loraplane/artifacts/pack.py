@@ -48,8 +48,9 @@ from loraplane.artifacts.verify import (
 )
 
 # A producer that packs many artifacts sharing files (hard links, one weights file per rank) hashes and checks
-# each file once per process: a file that kept its identity since then, and has settled, holds the same bytes
-# (fsutil.settled). identity -> (file name, sha256); the name too, since the weights file is also checked.
+# each file once per process when it packs: a file that kept its identity since then, and has settled, holds
+# the same bytes (fsutil.settled). identity -> (file name, sha256); the name too, since the weights file is
+# also checked. Signing hashes every file again.
 _PACKED: dict[tuple, tuple[str, str]] = {}
 _PACKED_MAX = 4096
 
@@ -154,7 +155,9 @@ def _check_packed(folder: Path) -> tuple[bytes, Manifest]:
     listing = {k: v for k, v in folder_listing(folder).items() if k != SIGNATURE_FILE}
     check_listing(manifest, listing, "")
     for fname, entry in manifest.files.items():
-        if packed_digest(folder / fname, fname, entry.sha256) != entry.sha256:
+        # Every byte again, no memo: signing is the gate, and a file's identity does not catch every
+        # write (writes through a shared mapping, network file systems' cached attributes).
+        if hash_file(folder / fname, fname, entry.sha256) != entry.sha256:
             raise E.ArtifactError(E.FILE_HASH_MISMATCH, "changed since pack; pack again", fname)
     return manifest_bytes, manifest
 

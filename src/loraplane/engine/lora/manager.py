@@ -99,11 +99,18 @@ class AdapterTiers(TierMoves):
         return block
 
     def _drop_lru_host(self) -> bool:
-        with self.lock:
+        """Drop one host copy nothing needs (loader threads). Never waits for the lock: the engine thread
+        may hold it while it waits for this very parse (``ensure_resident``); the arena's wait then runs out
+        and the parse takes pageable memory instead of deadlocking."""
+        if not self.lock.acquire(timeout=0.005):
+            return False
+        try:
             victim = next((k for k in self.host.entries if self._host_evictable(k)), None)
             if victim is not None:
                 self.host.drop(victim)
             return victim is not None
+        finally:
+            self.lock.release()
 
     def _loaded(self) -> None:
         waker = self.waker
