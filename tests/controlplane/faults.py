@@ -3,7 +3,7 @@
 ``FaultProxy(plane)`` listens on plain HTTP on loopback and forwards every request to the real kube-apiserver
 (over its TLS, with the caller's own Authorization header), except those a rule claims: ``fail(method,
 path_regex, code, times)`` answers the next ``times`` matches with a Kubernetes Status of that code (409
-conflict storms, 5xx), and ``delay(...)`` holds them first (slow answers). ``requests`` logs (method, path,
+conflict storms, 5xx), and ``delay(...)`` holds them first (slow answers, or a stalled server). ``requests`` logs (method, path,
 status) of everything that passed. Scope: single request/response calls, which is what the operator's own
 API module makes; watches are not proxied (their responses never end), so point kopf at the real server.
 """
@@ -62,8 +62,11 @@ class FaultProxy:
         """Answer the next ``times`` requests (None: all) whose path fully matches with a Status ``code``."""
         self.rules.append(Rule(method.upper(), re.compile(path_regex), code, times))
 
-    def delay(self, method: str, path_regex: str, seconds: float, times: int | None = 1) -> None:
-        self.rules.append(Rule(method.upper(), re.compile(path_regex), None, times, seconds))
+    def delay(
+        self, method: str, path_regex: str, seconds: float, times: int | None = 1, code: int | None = None
+    ) -> None:
+        """Hold the next ``times`` matches ``seconds``, then forward them (or answer a Status ``code``)."""
+        self.rules.append(Rule(method.upper(), re.compile(path_regex), code, times, seconds))
 
     def count(self, method: str, contains: str = "") -> int:
         return sum(1 for m, path, _ in self.requests if m == method.upper() and contains in path)
