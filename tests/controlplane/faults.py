@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,13 @@ class Rule:
         return self.times != 0 and method == self.method and self.path.fullmatch(path) is not None
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # a client that gave up waiting for a held answer is not news
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class FaultProxy:
     def __init__(self, plane):
         self.plane = plane
@@ -43,7 +51,7 @@ class FaultProxy:
         self.connections = 0  # TCP connections accepted from clients (a pooled client keeps a few alive)
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"proxy": self})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server = _Server(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True).start()

@@ -102,10 +102,11 @@ class EventLane:
                 self._count_drop()
             self._waiting[key] = body
         loop = asyncio.get_running_loop()
+        self._drainers = {t for t in self._drainers if not t.done()}  # a closed loop's, cancelled
         while len(self._drainers) < min(self.width, len(self._waiting)):
             task = loop.create_task(self._drain())
             self._drainers.add(task)
-            task.add_done_callback(self._drainers.discard)
+            task.add_done_callback(lambda done: self._drainers.discard(done))
 
     async def send(self, body: dict) -> bool:
         """Post ``body`` now in the lane's threads: True when posted; a failure is logged, never raised."""
@@ -119,8 +120,8 @@ class EventLane:
 
     async def flush(self) -> None:
         """Wait until every waiting Event has been posted or given up (tests; a clean shutdown)."""
-        while self._drainers:
-            await asyncio.gather(*self._drainers)
+        while running := [t for t in self._drainers if not t.done()]:
+            await asyncio.gather(*running)
 
     def waiting(self) -> int:
         return len(self._waiting)
