@@ -126,3 +126,47 @@ def test_sign_rechecks_files_and_a_new_pack_voids_the_signature(tmp_path, keys):
     assert err.value.reason == E.FILE_SIZE_MISMATCH
     pack_folder(folder, name="demo", version="v2", base_hash=HASH)
     assert not (folder / "loraplane-manifest.sig").exists()
+
+
+def test_packing_shared_files_hashes_each_once_and_a_rewrite_is_seen(tmp_path, keys, monkeypatch):
+    """Many artifacts over one weights file (hard links): packing hashes and checks each settled file once
+    per process (signing, the gate, hashes it every time); a rewrite that keeps the size and puts the mtime
+    back still changes the ctime, and is hashed again."""
+    import os
+    import time
+
+    from loraplane.artifacts import fsutil, pack
+
+    first = make_peft_folder(tmp_path / "a")
+    weights = first / "adapter_model.safetensors"
+    folders = [first]
+    for i in range(3):
+        other = tmp_path / f"b{i}"
+        other.mkdir()
+        for f in first.iterdir():
+            os.link(f, other / f.name)
+        folders.append(other)
+    time.sleep(fsutil.SETTLE_NS / 1e9 + 0.1)  # every file older than a timestamp tick
+    hashed = []
+    real = pack.hash_file
+    monkeypatch.setattr(pack, "hash_file", lambda p, n, e=None: hashed.append(n) or real(p, n, e))
+    digests = set()
+    for i, folder in enumerate(folders):
+        digests.add(
+            pack_folder(folder, name=f"a{i}", version="v1", base_hash=HASH).files[weights.name].sha256
+        )
+        sign_folder(folder, keys.private_pem)
+    assert len(digests) == 1
+    assert hashed.count(weights.name) == 1 + len(folders)  # the first pack, then each sign
+
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # the last byte of some tensor: same size, other bytes
+    st = os.stat(weights)
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))  # the mtime put back; the ctime moved
+    with pytest.raises(E.ArtifactError) as err:
+        sign_folder(folders[1], keys.private_pem)
+    assert err.value.reason == E.FILE_HASH_MISMATCH
+    before = hashed.count(weights.name)
+    new = pack_folder(folders[2], name="a2", version="v2", base_hash=HASH).files[weights.name].sha256
+    assert hashed.count(weights.name) == before + 1 and new not in digests

@@ -36,6 +36,7 @@ CHANGES: dict[str, tuple[object, dict]] = {
     "watchNamespaces": (["team-a"], {"watchAllNamespaces": False}),
     "operator.logLevel": ("info", {}),
     "operator.driftCheckIntervalSeconds": (120, {}),
+    "operator.fullPassIntervalSeconds": (120, {}),
     "operator.healthPort": (8081, {}),
     "metrics.port": (9191, {}),
     "routing.gatewayInferenceExtension.enabled": (True, {}),

@@ -3,7 +3,7 @@
 ``FaultProxy(plane)`` listens on plain HTTP on loopback and forwards every request to the real kube-apiserver
 (over its TLS, with the caller's own Authorization header), except those a rule claims: ``fail(method,
 path_regex, code, times)`` answers the next ``times`` matches with a Kubernetes Status of that code (409
-conflict storms, 5xx), and ``delay(...)`` holds them first (slow answers). ``requests`` logs (method, path,
+conflict storms, 5xx), and ``delay(...)`` holds them first (slow answers, or a stalled server). ``requests`` logs (method, path,
 status) of everything that passed. Scope: single request/response calls, which is what the operator's own
 API module makes; watches are not proxied (their responses never end), so point kopf at the real server.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,13 @@ class Rule:
         return self.times != 0 and method == self.method and self.path.fullmatch(path) is not None
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:
+        # a client that gave up waiting for a held answer is not news
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
+
+
 class FaultProxy:
     def __init__(self, plane):
         self.plane = plane
@@ -43,7 +51,7 @@ class FaultProxy:
         self.connections = 0  # TCP connections accepted from clients (a pooled client keeps a few alive)
         self._lock = threading.Lock()
         handler = type("Handler", (_Handler,), {"proxy": self})
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self._server = _Server(("127.0.0.1", 0), handler)
         self._server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         threading.Thread(target=self._server.serve_forever, name="fault-proxy", daemon=True).start()
@@ -62,8 +70,11 @@ class FaultProxy:
         """Answer the next ``times`` requests (None: all) whose path fully matches with a Status ``code``."""
         self.rules.append(Rule(method.upper(), re.compile(path_regex), code, times))
 
-    def delay(self, method: str, path_regex: str, seconds: float, times: int | None = 1) -> None:
-        self.rules.append(Rule(method.upper(), re.compile(path_regex), None, times, seconds))
+    def delay(
+        self, method: str, path_regex: str, seconds: float, times: int | None = 1, code: int | None = None
+    ) -> None:
+        """Hold the next ``times`` matches ``seconds``, then forward them (or answer a Status ``code``)."""
+        self.rules.append(Rule(method.upper(), re.compile(path_regex), code, times, seconds))
 
     def count(self, method: str, contains: str = "") -> int:
         return sum(1 for m, path, _ in self.requests if m == method.upper() and contains in path)

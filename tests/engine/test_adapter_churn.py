@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from loraplane.artifacts.fsutil import SETTLE_NS
 from loraplane.engine.api import AdapterError
 from loraplane.engine.core.async_engine import AsyncEngine
 from loraplane.engine.core.config import EngineConfig
@@ -23,7 +24,6 @@ from loraplane.engine.core.errors import RequestError
 from loraplane.engine.core.llm_engine import LLMEngine
 from loraplane.engine.core.sequence import SamplingParams
 from loraplane.engine.lora.safetensors_io import read_file
-from loraplane.engine.lora.weights import SETTLE_NS
 from tests.engine.peft_adapters import save_peft_adapter
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -121,11 +121,17 @@ def test_a_failed_pull_fails_its_own_requests_with_its_reason(folders, tmp_path,
             )
             bad = asyncio.create_task(collect(engine, "far@v1"))
             assert len(await asyncio.wait_for(collect(engine, "hot@v1"), 30)) == GREEDY.max_tokens
+            reason, detail = want.split(": ", 1)
             for attempt in (bad, collect(engine, "far@v1")):  # marked failed: the next request fails at once
                 with pytest.raises(RequestError) as err:
                     await asyncio.wait_for(attempt, 30)
-                assert f"adapter 'far@v1': {want}" in str(err.value), err.value
-            assert engine.engine.runner.lora.info("far@v1").state == "failed"
+                # the request learns the version and the reason; the pull's details stay with the operator
+                assert f"adapter 'far@v1': {reason}: the pull of its files failed" in str(err.value), (
+                    err.value
+                )
+                assert detail not in str(err.value)
+            info = engine.engine.runner.lora.info("far@v1")
+            assert info.state == "failed" and info.error.startswith(want), info.error
             assert len(await collect(engine, None)) == GREEDY.max_tokens
         finally:
             await engine.aclose()

@@ -17,6 +17,7 @@ from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk  # no
 from loraplane.engine.core.sequence import SamplingParams, Sequence  # noqa: E402
 from loraplane.engine.model.lora_warmup import (  # noqa: E402
     max_tiles,
+    module_sets,
     rank_classes,
     requests_for_tiles,
     tile_counts,
@@ -49,6 +50,19 @@ def test_rank_classes_and_tile_counts():
     assert tile_counts(12) == [1, 2, 4, 8, 12]
     assert tile_counts(16) == [1, 2, 4, 8, 16]
     assert tile_counts(40) == [1, 2, 4, 8, 16, 17, 32, 40]
+
+
+def test_module_sets_add_each_configured_family_once():
+    pools = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "o_proj": 0, "up_proj": 0}
+    sets = module_sets(
+        pools, (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"), ("v_proj", "q_proj"))
+    )
+    assert sets == [
+        None,
+        frozenset({"q_proj", "v_proj"}),
+        frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}),
+    ]
+    assert module_sets({"q_proj": 0, "v_proj": 0}, (("q_proj", "v_proj"),)) == [None]  # the same as all
 
 
 @pytest.mark.parametrize("tiles", [1, 2, 5, 9, 15])
@@ -111,14 +125,13 @@ def _logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
 def test_warmup_touches_no_adapter(make_hf_model, tmp_path):
     base = make_hf_model("llama")
     folder = save_peft_adapter(base, tmp_path / "r16", seed=1, **ADAPTER_SPECS["r16"])
-    engine = _engine(base, folder)
+    engine = _engine(base, folder, max_model_len=24)  # steps of 128 tokens: positions must wrap at 24
     runner, lora = engine.runner, engine.runner.lora
     lora.ensure_resident(["r16@v1"])
     before = _logits(engine, [5, 6, 7, 8, 9])
     pools = {m: (p.ranks.clone(), p.scales.clone(), p.page_table.clone()) for m, p in lora.gpu.pools.items()}
     host_ranks = list(lora.gpu.ranks)
-    ran = warm_lora_kernels(runner.model, runner.lora_state, lora, runner.device, runner.vocab_size, 64,
-                            ("prefill", "decode"))  # fmt: skip
+    ran = warm_lora_kernels(runner, ("prefill", "decode"))
     assert ran > 0
     assert lora.gpu.ranks == host_ranks
     for m, p in lora.gpu.pools.items():

@@ -108,6 +108,31 @@ def test_loads_through_a_full_arena_evict_host_entries_and_tokens_are_unchanged(
     assert plain_reads == 3 and reads == 6, "with room for two, each round reads every file again"
 
 
+def test_a_warm_up_that_reads_on_the_engine_thread_never_deadlocks_on_a_full_arena(adapters):
+    """A start-up warm-up (``only_if_room``) waits for its parse on the engine thread, holding the tiers'
+    lock; the parse finds the arena full and must not wait for that lock to evict: it takes pageable
+    memory once the arena's wait runs out."""
+    base, folders = adapters
+
+    async def main():
+        engine = make_async(base, max_loras=2, max_lora_rank=8)
+        lora = engine.engine.runner.lora
+        try:
+            await load_all(engine, folders, ("hot", "cold1"))
+            one = lora.host.entries["hot@v1"].nbytes
+            to_disk(engine, "hot", "cold1")
+            lora.arena = PinnedArena(one + ALIGN, pin=False)  # room for one adapter
+            async for _ in engine.add_request(PROMPT, GREEDY, adapter="hot@v1"):
+                pass
+            assert _inside(lora.arena, lora.host.entries["hot@v1"]) and lora.arena.take(ALIGN * 2) is None
+            info = await asyncio.wait_for(engine.warm_adapter("cold1", "v1", only_if_room=True), 20)
+            assert info.tier == "gpu" and lora.arena_misses == 1
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
+
+
 def _inside(arena: PinnedArena, weights) -> bool:
     start = arena._mem.ctypes.data
     return all(

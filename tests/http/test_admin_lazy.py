@@ -8,6 +8,7 @@ gate (so a slow pull is deterministic) while the test watches which GETs arrived
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ import httpx
 import pytest
 
 from loraplane.artifacts.s3blobs import blob_key
+from tests.adapter_factory import push_adapter, resign_edited
 from tests.http.adapter_fixtures import BUCKET, adapter_world
 from tests.http.conftest import MODEL_NAME, wait_until
 from tests.s3_servers import Fault
@@ -141,9 +143,10 @@ def test_a_broken_object_fails_only_its_own_requests_and_leaves_nothing_cached(c
             failing = pool.submit(complete, world, "support")
             assert len(tokens_of(complete(world, "tenant-b"))[1]) == 6
             answer = failing.result(timeout=120)
-        assert answer.status_code >= 400 and reason in answer.text and WEIGHTS in answer.text, answer.text
+        assert answer.status_code >= 400 and f"adapter 'support@v1': {reason}" in answer.text, answer.text
         listed = world.versions("support")["v1"]
         assert listed["state"] == "failed" and listed["error"]["reason"] == reason, listed
+        assert WEIGHTS in listed["error"]["message"]  # the admin API has the details
         assert_nothing_cached(world, adapter)
         assert len(tokens_of(complete(world, "tenant-b"))[1]) == 6  # the engine goes on
     finally:
@@ -204,3 +207,81 @@ def test_a_lazy_put_still_refuses_what_the_manifest_refuses(clean, engine, key, 
     assert response.status_code == status and response.json()["reason"] == reason, response.text
     assert not [a for a in engine.adapters() if a.name == adapter.manifest.name]
     assert weights_gets(clean, adapter.manifest.name) == 0
+
+
+def fail_the_pull(world, name: str) -> Fault:
+    """The next pulls of ``name`` v1's weights are refused by S3 (403: not retried)."""
+    return world.proxy.add(
+        Fault("status", weights_path(world, name), times=100, status=403, code="AccessDenied")
+    )
+
+
+def test_a_request_whose_pull_failed_learns_the_adapter_and_reason_not_the_source(clean, engine):
+    world = clean
+    fail_the_pull(world, "chat")
+    put_lazy(world, "chat")
+    answer = complete(world, "chat")
+    assert answer.status_code >= 400 and "adapter 'chat@v1': AccessDenied" in answer.text, answer.text
+    endpoint = world.proxy.url.split("//")[1]
+    assert "s3://" not in answer.text and endpoint not in answer.text and BUCKET not in answer.text, (
+        answer.text
+    )
+    listed = world.versions("chat")["v1"]  # the admin API shows where it failed
+    assert listed["error"]["reason"] == "PullFailed" and "s3://" in listed["error"]["message"], listed
+
+
+def test_a_warm_put_of_a_lazy_version_whose_pull_fails_answers_the_pulls_reason(clean, engine):
+    world = clean
+    fail_the_pull(world, "support")
+    put_lazy(world, "support")
+    warm = world.put("support", world.published["support-v1"], warm="host")
+    body = warm.json()
+    assert (warm.status_code, body["reason"]) == (500, "PullFailed"), warm.text  # not WarmFailed
+    assert body["message"].startswith("adapter 'support@v1': AccessDenied: pull: s3://"), body  # named once
+
+
+@pytest.mark.parametrize("how", ["retry-failed", "delete-then-put"])
+def test_a_lazy_version_put_again_while_a_request_holds_it_pulls_afresh(clean, engine, how):
+    """The next PUT after a failed pull (or a DELETE) while a request of the version is still in flight: the
+    engine keeps the old record for that request, and the new registration's pull must serve."""
+    world, lora = clean, engine.engine.runner.lora
+    if how == "retry-failed":
+        fault = fail_the_pull(world, "support")
+        put_lazy(world, "support")
+        assert complete(world, "support").status_code >= 400
+        fault.times = 0
+    else:
+        put_lazy(world, "support")
+    lora.hold("support@v1")  # a request submitted and not yet ended
+    try:
+        if how == "delete-then-put":
+            assert world.delete("support").status_code == 200
+        again = put_lazy(world, "support")
+        assert (again["state"], again["error"]) == ("loaded", None), again
+    finally:
+        lora.note_request("support@v1", -1)
+    assert len(tokens_of(complete(world, "support"))[1]) == 6
+    assert world.versions("support")["v1"]["error"] is None
+
+
+def test_a_lazy_pull_is_pinned_to_the_manifest_verified_at_registration(clean, engine, tmp_path):
+    """Registered without a digest, then the URI is pushed again with other weights: the pull refuses the
+    new manifest before it downloads any of its files."""
+    world = clean
+    adapter = world.published["support-v1"]
+    response = world.put("support", adapter, warm="lazy", manifest_digest=None)
+    assert response.status_code == 200 and response.json()["digest"] == adapter.digest, response.text
+
+    def other_weights(folder) -> None:
+        weights = folder / WEIGHTS
+        weights.write_bytes(weights.read_bytes()[:-8] + bytes(8))
+
+    resign_edited(adapter.folder, tmp_path / "repushed", world.keys, other_weights)
+    new_blob = "/" + blob_key(hashlib.sha256((tmp_path / "repushed" / WEIGHTS).read_bytes()).hexdigest())
+    assert push_adapter(tmp_path / "repushed", world.s3, BUCKET, force=True) == adapter.uri
+    try:
+        answer = complete(world, "support")
+        assert answer.status_code >= 400 and "DigestMismatch" in answer.text, answer.text
+        assert world.proxy.count("GET", new_blob) == 0  # refused at the manifest
+    finally:
+        push_adapter(adapter.folder, world.s3, BUCKET, force=True)

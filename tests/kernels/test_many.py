@@ -121,3 +121,19 @@ def test_pools_with_other_row_strides_take_one_launch_pair_each(device):
     got = lora_apply_many(y.clone(), x, targets, 1, meta, backend="triton")
     assert_close_sums(got, _reference(y, x, targets, 1, meta), TERMS)
     assert not any(k[0] == "pools" for k in meta.plans)
+
+
+def test_eager_metadata_keeps_one_shrink_buffer_whatever_the_step_sizes():
+    """An eager metadata serves a new token count every step: its shrink buffers must not pile up one per
+    count (a server would grow without bound); a captured one keeps each shape's buffer at one address."""
+    eager = LoRABatchMeta(4096)
+    sizes = [7, 300, 64, 1000, 3, 999]
+    views = [eager.scratch_f32((2, 3, t, 64), torch.device("cpu")) for t in sizes]
+    assert eager.scratch == {}
+    assert [tuple(v.shape) for v in views] == [(2, 3, t, 64) for t in sizes]
+    assert len({v.untyped_storage().data_ptr() for v in views[3:]}) == 1  # one buffer once grown
+    assert views[-1].untyped_storage().nbytes() == 2 * 3 * 1000 * 64 * 4
+    captured = LoRABatchMeta(64, capture=True, max_rank=64)
+    a = captured.scratch_f32((2, 3, 64, 64), torch.device("cpu"))
+    b = captured.scratch_f32((2, 3, 64, 64), torch.device("cpu"))
+    assert a.data_ptr() == b.data_ptr() and len(captured.scratch) == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import kopf
 
@@ -13,6 +14,7 @@ from loraplane.operator.caches import (
     Expiring,
     Fingerprints,
     Memo,
+    Quiet,
     SharedResults,
     Snapshots,
     StatusEcho,
@@ -214,3 +216,12 @@ async def test_snapshots_amended_by_one_keep_their_age_and_the_rest():
     slow.set()
     await running
     assert await snaps.get("pod", 60.0, take) == [("a", 3), ("b", 3)], "an in-flight listing is dropped"
+
+
+def test_a_quiet_entry_lasts_its_full_pass_interval_or_until_a_read_changes():
+    quiet: Quiet[str] = Quiet(full_every=0.3)
+    quiet.remember("a", ("rv1", "base1"), "seen")
+    assert quiet.seen("a", ("rv1", "base1")) == "seen"
+    assert quiet.seen("a", ("rv2", "base1")) is None, "its object changed: a full pass"
+    time.sleep(0.35)
+    assert quiet.seen("a", ("rv1", "base1")) is None, "the full pass interval ran out: a full pass"

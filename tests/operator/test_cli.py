@@ -24,6 +24,22 @@ def test_run_needs_a_scope():
         cli._parser().parse_args(["run", "-n", "a", "--all-namespaces"])
 
 
+def test_the_full_pass_interval_reaches_the_quiet_checks(capsys):
+    """``--full-pass-interval`` (the chart's operator.fullPassIntervalSeconds) bounds how long a settled
+    adapter's drift checks may skip its Secrets and trusted keys; a bad value is refused naming the flag."""
+    from loraplane.operator.context import Context
+
+    args = cli._parser().parse_args(
+        ["run", "-n", "a", "--full-pass-interval", "60", "--drift-interval", "10"]
+    )
+    ctx = Context(kube=None, tunables=cli.tunables_of(args))  # type: ignore[arg-type]
+    assert (ctx.quiet.full_every, ctx.tunables.drift_interval) == (60.0, 10.0)
+    assert Context(kube=None).quiet.full_every == 300.0  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):
+        cli.main(["run", "-n", "a", "--full-pass-interval", "0"])
+    assert "--full-pass-interval must be > 0 seconds, got 0.0" in capsys.readouterr().err
+
+
 def test_console_script_dispatches_here(tmp_path, capsys):
     """``loraplane operator ...`` reaches this CLI: its exit codes and messages come back through."""
     from loraplane.cli import main

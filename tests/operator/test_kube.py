@@ -7,10 +7,15 @@ answers 409 only to a racing writer, which a test cannot time.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+
+from prometheus_client import REGISTRY
 
 from loraplane.operator import builders as B
 from loraplane.operator.crd_models import BaseSpec
-from loraplane.operator.kube import API_THREADS, EVENT_SOURCE, Kube, Ref, is_subset
+from loraplane.operator.event_lane import EVENT_SOURCE, EVENT_THREADS, EVENT_TIMEOUT
+from loraplane.operator.kube import API_THREADS, Kube, Ref, base_ref, is_subset
 from tests.controlplane.faults import FaultProxy
 
 
@@ -94,6 +99,7 @@ def test_events_go_through_the_pooled_client_with_kopfs_fields(control_plane, na
         assert asyncio.run(burst()) == [True] * 80
         assert proxy.count("POST", "/events") == 160
         assert proxy.connections <= API_THREADS, f"{proxy.connections} connections for 160 Events"
+        assert proxy.connections <= EVENT_THREADS, "Events use their own lane's threads"
     events = [e for e in control_plane.list("v1", "Event", namespace) if e.get("reason") == "Loaded"]
     assert len(events) == 160
     event = events[0]
@@ -118,11 +124,67 @@ def test_an_event_that_cannot_be_posted_is_logged_not_raised(control_plane, name
 
         async def in_background() -> None:
             kube.post_event(base, "Warning", "WarmFailed", "x" * 5000)  # a pass does not wait for it
-            await asyncio.gather(*kube._posting)
+            await kube.events.flush()
 
         asyncio.run(in_background())
     posted = [e for e in control_plane.list("v1", "Event", namespace) if e.get("reason") == "WarmFailed"]
     assert len(posted) == 1 and len(posted[0]["message"]) == 1024, "the message is cut to Kubernetes' bound"
+
+
+def test_a_stalled_event_lane_never_holds_up_a_status_patch(control_plane, namespace):
+    """Hundreds of Events posted at once to an API server that stalls them: a status patch still goes through
+    at once (the Events have threads of their own), and a stalled Event is given up after its short timeout."""
+    base = _base(control_plane, namespace)
+    events = rf"/api/v1/namespaces/{namespace}/events"
+    with FaultProxy(control_plane) as proxy:
+        kube = Kube(proxy.api_client(pool_size=API_THREADS + EVENT_THREADS))
+        proxy.delay("POST", events, EVENT_TIMEOUT + 3, times=None, code=503)  # every Event post hangs
+
+        async def burst_then_patch() -> float:
+            for i in range(300):  # as when a replaced pod makes every adapter write its status
+                kube.post_event(base, "Normal", "Loaded", f"event {i}")
+            await asyncio.sleep(0.5)  # the Event lane is busy with stalled posts
+            start = time.monotonic()
+            assert await kube.patch_status(base_ref(namespace, "demo"), {"observedGeneration": 7}) is not None
+            return time.monotonic() - start
+
+        assert asyncio.run(burst_then_patch()) < 2.0, "a status patch waited behind Events"
+        assert proxy.count("PATCH", "/demo/status") == 1
+        fresh = Kube(proxy.api_client())
+
+        async def one_stalled() -> tuple[bool, float]:
+            start = time.monotonic()
+            return await fresh.event(base, "Normal", "Loaded", "stalled"), time.monotonic() - start
+
+        posted, took = asyncio.run(one_stalled())
+        assert not posted and EVENT_TIMEOUT - 0.5 <= took < EVENT_TIMEOUT + 2.5, f"gave up after {took:.1f} s"
+
+
+def test_the_event_backlog_drops_the_oldest_and_merges_duplicates(control_plane, namespace, caplog):
+    """A backlog of 5: of 20 Events posted before any could go, the 5 newest wait and 15 are dropped (counted);
+    an Event identical to one waiting bumps its count instead of queueing again."""
+    base = _base(control_plane, namespace)
+    dropped = REGISTRY.get_sample_value("loraplane_operator_events_dropped_total") or 0.0
+    kube = Kube(control_plane.api_client(), event_backlog=5)
+
+    async def post_all() -> None:
+        for i in range(20):
+            kube.post_event(base, "Normal", "Loaded", f"event {i}")
+        assert kube.events.waiting() == 5
+        for _ in range(3):  # the first drops "event 15"; the other two are the same Event again
+            kube.post_event(base, "Warning", "WarmFailed", "again")
+        assert kube.events.waiting() == 5
+        await kube.events.flush()
+
+    with caplog.at_level(logging.INFO, logger="loraplane.operator.event_lane"):
+        asyncio.run(post_all())
+    assert kube.events.dropped == 16
+    assert REGISTRY.get_sample_value("loraplane_operator_events_dropped_total") == dropped + 16
+    assert caplog.text.count("the Event backlog is full") == 1, "logged once in a while, not per Event"
+    posted = {e["message"]: e for e in control_plane.list("v1", "Event", namespace)
+              if e.get("reason") in ("Loaded", "WarmFailed")}  # fmt: skip
+    assert sorted(posted) == ["again", "event 16", "event 17", "event 18", "event 19"]
+    assert posted["again"]["count"] == 3 and posted["event 19"]["count"] == 1
 
 
 def test_status_patch_of_a_missing_object_is_none(control_plane, namespace):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -57,3 +58,24 @@ def write_atomic(path: Path, data: bytes) -> None:
     with SyncedFile(tmp) as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def file_identity(path: Path) -> tuple[int, int, int, int, int]:
+    """(device, inode, size, mtime, ctime in ns): the same tuple means the same file, not written since.
+    The ctime cannot be set back from user space, so restoring the mtime after a write does not hide it."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+SETTLE_NS = 2_000_000_000  # coarser than any file system's timestamp tick (1 s on some, 4 ms on most)
+
+
+def settled(path: Path, before: tuple) -> bool:
+    """The file still has identity ``before``, and its last change is older than any timestamp tick: a
+    write in the same tick as the change that gave it that identity would not change it again (git's
+    "racily clean" rule), so a file changed just now is never trusted by its identity."""
+    try:
+        after = file_identity(path)
+    except OSError:  # gone: what was read from it stands, its identity does not
+        return False
+    return after == before and time.time_ns() - max(before[3], before[4]) > SETTLE_NS

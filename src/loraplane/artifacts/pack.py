@@ -17,6 +17,7 @@ from typing import TextIO
 from loraplane.artifacts import errors as E
 from loraplane.artifacts import s3 as S3
 from loraplane.artifacts.base_hash import BaseHashError, compute_base_hash
+from loraplane.artifacts.fsutil import file_identity, settled
 from loraplane.artifacts.manifest import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -45,6 +46,28 @@ from loraplane.artifacts.verify import (
     folder_listing,
     hash_file,
 )
+
+# A producer that packs many artifacts sharing files (hard links, one weights file per rank) hashes and checks
+# each file once per process when it packs: a file that kept its identity since then, and has settled, holds
+# the same bytes (fsutil.settled). identity -> (file name, sha256); the name too, since the weights file is
+# also checked. Signing hashes every file again.
+_PACKED: dict[tuple, tuple[str, str]] = {}
+_PACKED_MAX = 4096
+
+
+def packed_digest(path: Path, name: str, expected: str | None = None) -> str:
+    """``hash_file(path, name, expected)``, from the process's earlier hash of the same unchanged file when it
+    has one. Only a hash whose content was judged (no ``expected``, or equal to it) is remembered."""
+    before = file_identity(path)
+    known = _PACKED.get(before)
+    if known is not None and known[0] == name and settled(path, before):
+        return known[1]
+    digest = hash_file(path, name, expected)
+    if expected in (None, digest) and settled(path, before):
+        if len(_PACKED) >= _PACKED_MAX:
+            _PACKED.clear()
+        _PACKED[before] = (name, digest)
+    return digest
 
 
 def _producer() -> str:
@@ -101,7 +124,7 @@ def pack_folder(
         except (OSError, json.JSONDecodeError, BaseHashError) as exc:
             raise E.ArtifactError(E.BAD_MANIFEST, f"unusable base folder ({exc})", "base") from None
         check_against_base(folder / WEIGHTS_FILE, base_config)
-    files = {n: FileEntry(hash_file(folder / n, n), (folder / n).stat().st_size) for n in names}
+    files = {n: FileEntry(packed_digest(folder / n, n), (folder / n).stat().st_size) for n in names}
     manifest = Manifest(
         name=name,
         version=version,
@@ -132,6 +155,8 @@ def _check_packed(folder: Path) -> tuple[bytes, Manifest]:
     listing = {k: v for k, v in folder_listing(folder).items() if k != SIGNATURE_FILE}
     check_listing(manifest, listing, "")
     for fname, entry in manifest.files.items():
+        # Every byte again, no memo: signing is the gate, and a file's identity does not catch every
+        # write (writes through a shared mapping, network file systems' cached attributes).
         if hash_file(folder / fname, fname, entry.sha256) != entry.sha256:
             raise E.ArtifactError(E.FILE_HASH_MISMATCH, "changed since pack; pack again", fname)
     return manifest_bytes, manifest

@@ -54,6 +54,8 @@ def failure_of(exc: BaseException) -> LoadFailed:
     if isinstance(exc, AdapterError):
         if exc.reason == "WarmFailed":
             return LoadFailed(500, WARM_FAILED, exc.message)
+        if exc.reason in _PULL_REASONS or exc.reason == PULL_FAILED:  # a lazy version's pull, in the engine
+            return LoadFailed(500, PULL_FAILED, exc.message)  # the message names the first reason
         return LoadFailed(409 if exc.reason in _CONFLICTS else 422, exc.reason, exc.message)
     return LoadFailed(500, POD_FAILED, f"{type(exc).__name__}: {exc}")
 
@@ -209,8 +211,8 @@ class AdapterRegistry:
     def _fetch(self, entry: Entry, loop: asyncio.AbstractEventLoop):
         """The engine's fetch of a lazy version (a loader thread): pull and verify into the host cache, and
         hand the entry it holds in use to ``entry`` (released at unload)."""
-        try:
-            local = self._pull(entry.spec)
+        try:  # pinned to the manifest verified at registration: a re-pushed URI is refused before its files
+            local = self._pull(LoadSpec(**{**_fields(entry.spec), "digest": entry.digest}))
         except Exception as exc:
             _tell(loop, self._refused, entry, exc)
             raise  # the engine fails the version's requests with its reason

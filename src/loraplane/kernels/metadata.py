@@ -16,6 +16,7 @@ in one host-to-device copy (pinned, non-blocking on CUDA): nothing reads the dev
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -59,6 +60,7 @@ class LoRABatchMeta:
         "_bounds",
         "plans",
         "scratch",
+        "_flat",
         "sync",
     )
 
@@ -100,13 +102,24 @@ class LoRABatchMeta:
         # Shrink outputs of those launches, by shape: kept for the metadata's whole life (not dropped at
         # build) because a CUDA graph captured over this metadata keeps their addresses.
         self.scratch: dict[tuple, torch.Tensor] = {}
+        self._flat: torch.Tensor | None = None  # the eager (not captured) launches' one shrink buffer
         # Per-tile-slot counters of the one-launch kernels (triton_fused), created on first use, zeros.
         self.sync: torch.Tensor | None = None
 
     def scratch_f32(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
         """A float32 buffer of ``shape`` owned by this metadata, shared by every launch that asks for
         the same shape: they run one after another in stream order, each reading it before the next
-        overwrites it."""
+        overwrites it.
+
+        Eager metadata (not captured) serves a different token count every step, and a buffer per shape
+        would keep one for every count ever seen, without bound. Its launches share one flat buffer instead,
+        grown to the largest asked for (at most split x slices x capacity x max rank), each taking a view
+        of its front: in stream order each shrink's output is read by its expand before the next shrink."""
+        if not self.capture:
+            n = math.prod(shape)
+            if self._flat is None or self._flat.numel() < n or self._flat.device != torch.device(device):
+                self._flat = torch.empty(n, dtype=torch.float32, device=device)
+            return self._flat[:n].view(shape)
         key = (tuple(shape), str(device))
         buf = self.scratch.get(key)
         if buf is None:

@@ -2,7 +2,7 @@
 
     loraplane operator run --namespace ml-serving [--namespace other] [--standalone] \\
         [--liveness http://0.0.0.0:8080/healthz] [--metrics-port 9090] [--peering loraplane]
-    loraplane operator run --all-namespaces
+    loraplane operator run --all-namespaces [--drift-interval 30] [--full-pass-interval 300]
     loraplane operator crds [--write [DIR] | --check [DIR]]   (DIR: crds/)
 
 The Kubernetes configuration is loaded once, explicitly: ``--kubeconfig`` (or $KUBECONFIG, read
@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from loraplane.operator.caches import FULL_PASS_EVERY
 from loraplane.operator.context import DEFAULT_DRIFT_INTERVAL, Tunables
 from loraplane.operator.policy import DEFAULT_REGISTRIES, OperatorPolicy
 
@@ -33,6 +34,14 @@ def policy_of(args) -> OperatorPolicy:
         allowed_service_accounts=tuple(args.allowed_service_account),
         allowed_runtime_classes=tuple(args.allowed_runtime_class),
     )
+
+
+def tunables_of(args) -> Tunables:
+    """The operator's timing from its flags (ValueError names the flag)."""
+    for flag in ("drift_interval", "full_pass_interval"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
+    return Tunables(drift_interval=args.drift_interval, full_pass_interval=args.full_pass_interval)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,6 +70,13 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_DRIFT_INTERVAL,
         help="seconds between drift checks of each adapter against its pods",
+    )
+    run.add_argument(
+        "--full-pass-interval",
+        type=float,
+        default=FULL_PASS_EVERY,
+        help="seconds after which a settled adapter's drift check reads its Secrets, trusted keys and policy "
+        "again (quiet checks in between only compare its pods)",
     )
     policy = run.add_argument_group("policy", "what a LoRABase may ask of the operator (docs/security.md)")
     policy.add_argument(
@@ -125,7 +141,7 @@ def run(args) -> int:
         start_http_server(args.metrics_port)
     ctx = Context(
         Kube(load_api_client(args.kubeconfig, args.context)),
-        Tunables(drift_interval=args.drift_interval),
+        tunables_of(args),
         policy=policy_of(args),
         routing=args.gateway_inference_extension,
     )
@@ -155,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         policy_of(args)
+        tunables_of(args)
     except ValueError as exc:
         parser.error(str(exc))
     return run(args)

@@ -11,7 +11,16 @@ from dataclasses import dataclass, field
 
 from loraplane.operator.admin_client import AdminClient
 from loraplane.operator.builders import ADMIN_PORT
-from loraplane.operator.caches import Backoff, Fingerprints, Memo, Quiet, SharedResults, Snapshots, StatusEcho
+from loraplane.operator.caches import (
+    FULL_PASS_EVERY,
+    Backoff,
+    Fingerprints,
+    Memo,
+    Quiet,
+    SharedResults,
+    Snapshots,
+    StatusEcho,
+)
 from loraplane.operator.kube import Kube
 from loraplane.operator.policy import OperatorPolicy
 
@@ -23,6 +32,8 @@ class Tunables:
     drift_interval: float = (
         DEFAULT_DRIFT_INTERVAL  # seconds between drift checks of a converged adapter or base
     )
+    # seconds after which a settled adapter's drift check makes a full pass again (Secrets, trusted keys, policy)
+    full_pass_interval: float = FULL_PASS_EVERY
     poll_interval: float = 2.0  # while a pod is still pulling or warming
     retry_delay: float = 5.0  # first retry after a failure; doubles per failure
     max_retry_delay: float = 300.0
@@ -34,7 +45,14 @@ class Tunables:
     gate_timeout: float = 600.0  # seconds a pod's readiness gate waits for its adapters (readiness_gate.py)
 
     def __post_init__(self):
-        for name in ("drift_interval", "poll_interval", "retry_delay", "max_retry_delay", "gate_timeout"):
+        for name in (
+            "drift_interval",
+            "full_pass_interval",
+            "poll_interval",
+            "retry_delay",
+            "max_retry_delay",
+            "gate_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Tunables.{name} must be > 0")
         if self.pod_concurrency < 1 or self.s3_attempts < 1:
@@ -57,6 +75,9 @@ class Context:
     quiet: Quiet = field(default_factory=Quiet)  # API path -> what an adapter's last settled pass saw
     _events: dict = field(default_factory=dict)
     _limit: asyncio.Semaphore | None = None
+
+    def __post_init__(self):
+        self.quiet.full_every = self.tunables.full_pass_interval
 
     def start(self) -> None:
         self.admin = AdminClient(

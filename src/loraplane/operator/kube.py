@@ -17,13 +17,13 @@ import functools
 import logging
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
 from loraplane.operator.caches import Expiring
 from loraplane.operator.crd_models import API_VERSION, BASE_PLURAL
+from loraplane.operator.event_lane import EVENT_BACKLOG, EVENT_THREADS, EVENT_TIMEOUT, EventLane, event_body
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +32,8 @@ CONFLICT_RETRIES = 8
 # API calls in flight at once: the client blocks a thread per call. The threads are the Kube's own, so its
 # calls never queue behind slow work (S3 reads) in the event loop's default pool of cores + 4 threads.
 API_THREADS = 16
+API_TIMEOUT = 30.0  # seconds one call may take
 SECRET_TTL = 30.0  # seconds a Secret read is reused: a rotated Secret is seen within this
-EVENT_SOURCE = "loraplane-operator"  # an Event's source.component: the "From" column of `kubectl describe`
-EVENT_MESSAGE_MAX = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +77,30 @@ def is_subset(want, have) -> bool:
 class Kube:
     """Async facade over one ``kubernetes.client.ApiClient`` (built from an explicit configuration)."""
 
-    def __init__(self, api: kubernetes.client.ApiClient, discovery_ttl: float = 60.0):
+    def __init__(
+        self,
+        api: kubernetes.client.ApiClient,
+        discovery_ttl: float = 60.0,
+        event_threads: int = EVENT_THREADS,
+        event_backlog: int = EVENT_BACKLOG,
+    ):
         self.api = api
         self._secrets: Expiring[tuple[str, str], tuple[dict, dict]] = Expiring()
         self._discovery: dict[str, tuple[float, frozenset[str]]] = {}  # group/version -> (when, plurals)
         self.discovery_ttl = discovery_ttl
         self._threads = concurrent.futures.ThreadPoolExecutor(API_THREADS, thread_name_prefix="kube")
-        self._posting: set[asyncio.Task] = set()  # Events on their way (a task is dropped when done)
+        # Events have threads of their own: a burst of them never holds up a status patch (event_lane.py)
+        self.events = EventLane(self._post_event, event_threads, event_backlog)
 
     # --- raw calls ---------------------------------------------------------------------------------
     def _call(
-        self, method: str, path: str, body=None, query: list | None = None, content_type: str | None = None
+        self,
+        method: str,
+        path: str,
+        body=None,
+        query: list | None = None,
+        content_type: str | None = None,
+        timeout: float = API_TIMEOUT,
     ):
         headers = {"Accept": "application/json"}
         if content_type or body is not None:
@@ -102,7 +114,7 @@ class Kube:
             response_types_map={200: "object", 201: "object", 202: "object"},
             auth_settings=["BearerToken"],
             _return_http_data_only=True,
-            _request_timeout=30,
+            _request_timeout=timeout,
         )
 
     async def call(self, method: str, path: str, body=None, query=None, content_type=None):
@@ -214,49 +226,21 @@ class Kube:
 
     # --- Events ------------------------------------------------------------------------------------
     async def event(self, obj: dict, type_: str, reason: str, message: str) -> bool:
-        """Post a core/v1 Event about ``obj`` through this client's pool of kept-alive connections. (kopf's
-        ``kopf.event`` posts each through a connector without a limit: a burst of Events, as when a replaced
-        pod makes every adapter write its status, opened a TLS connection each, and the heap kept the
-        high-water mark of their buffers.) An Event is auxiliary: a failure to post it is logged, never
-        raised. True when posted."""
-        body = event_body(obj, type_, reason, message)
-        try:
-            await self.call("POST", f"/api/v1/namespaces/{body['metadata']['namespace']}/events", body=body)
-            return True
-        except Exception as exc:  # noqa: BLE001 - an Event must never fail the pass that posts it
-            log.warning("could not post the Event %s %s on %s/%s: %s", type_, reason,
-                        body["metadata"]["namespace"], body["involvedObject"].get("name"), exc)  # fmt: skip
-            return False
+        """Post a core/v1 Event about ``obj`` now, in the Event lane's threads, through this client's pool of
+        kept-alive connections. (kopf's ``kopf.event`` posts each through a connector without a limit: a
+        burst of Events, as when a replaced pod makes every adapter write its status, opened a TLS
+        connection each, and the heap kept the high-water mark of their buffers.) An Event is auxiliary: a
+        failure to post it is logged, never raised. True when posted."""
+        return await self.events.send(event_body(obj, type_, reason, message))
 
     def post_event(self, obj: dict, type_: str, reason: str, message: str) -> None:
-        """``event`` in the background: the pass that posts it does not wait for the API server."""
-        task = asyncio.get_running_loop().create_task(self.event(obj, type_, reason, message))
-        self._posting.add(task)
-        task.add_done_callback(self._posting.discard)
+        """``event`` in the background, through the Event lane's bounded backlog: the pass that posts it
+        does not wait for the API server, and a slow API server costs dropped Events, not stalled passes."""
+        self.events.submit(event_body(obj, type_, reason, message))
 
-
-def event_body(obj: dict, type_: str, reason: str, message: str) -> dict:
-    """The Event kopf wrote, field for field: involvedObject, reason, message, type, source, timestamps, count."""
-    meta = obj.get("metadata") or {}
-    namespace = meta.get("namespace") or "default"
-    involved = {"apiVersion": obj.get("apiVersion"), "kind": obj.get("kind"), "name": meta.get("name"),
-                "namespace": namespace, "uid": meta.get("uid")}  # fmt: skip
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"namespace": namespace, "generateName": f"{meta.get('name') or 'object'}."},
-        "involvedObject": {k: v for k, v in involved.items() if v},
-        "reason": reason,
-        "message": message[:EVENT_MESSAGE_MAX],
-        "type": type_,
-        "source": {"component": EVENT_SOURCE},
-        "reportingComponent": EVENT_SOURCE,
-        "reportingInstance": EVENT_SOURCE,
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-    }
+    def _post_event(self, body: dict) -> None:
+        path = f"/api/v1/namespaces/{body['metadata']['namespace']}/events"
+        self._call("POST", path, body=body, timeout=EVENT_TIMEOUT)
 
 
 def _same_controller(existing: dict, desired: dict) -> bool:
@@ -293,5 +277,5 @@ def load_api_client(kubeconfig: str | None = None, context: str | None = None) -
         )
     else:
         kubernetes.config.load_incluster_config(client_configuration=configuration)
-    configuration.connection_pool_maxsize = API_THREADS  # a connection per thread, kept alive
+    configuration.connection_pool_maxsize = API_THREADS + EVENT_THREADS  # a connection per thread, kept alive
     return kubernetes.client.ApiClient(configuration)

@@ -4,6 +4,10 @@
 process's RSS, the traced total, and the lines whose allocations grew most since the previous SIGUSR1 and
 since the first one. A test harness signals the process after each event it suspects (a server pod
 replaced, say) and reads which lines keep what. Tracing slows every allocation: never set it in production.
+
+The dump takes seconds on a large heap, so the signal handler only asks for one: a thread of its own makes
+it, while the event loop goes on; signals that come during a dump make one more dump after it, never a
+second one at once.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import queue
 import signal
+import threading
 import time
 import tracemalloc
 from collections import Counter
@@ -47,8 +53,19 @@ class Tracer:
         self.first: tracemalloc.Snapshot | None = None
         self.previous: tracemalloc.Snapshot | None = None
         self.count = 0
+        self._dumping = threading.Lock()  # one dump at a time, whoever asks
 
-    def dump(self, *_) -> None:
+    def dump(self, *_) -> bool:
+        """Append one dump to the file; False (nothing written) when another dump is under way."""
+        if not self._dumping.acquire(blocking=False):
+            return False
+        try:
+            self._dump()
+        finally:
+            self._dumping.release()
+        return True
+
+    def _dump(self) -> None:
         snapshot = tracemalloc.take_snapshot().filter_traces(
             [tracemalloc.Filter(False, tracemalloc.__file__), tracemalloc.Filter(False, "<frozen importlib*")]
         )
@@ -92,18 +109,41 @@ def _census(shown: int = 12) -> list[str]:
     return lines
 
 
+class Dumper:
+    """Makes ``dump`` in a thread of its own when asked; ``request`` may be a signal handler: it only queues
+    (``SimpleQueue.put`` is reentrant, so a signal that interrupts another request cannot deadlock it)."""
+
+    def __init__(self, dump):
+        self._dump = dump
+        self._requests: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self.dumps = 0  # dumps made
+        self.merged = 0  # requests answered by a dump made for an earlier one
+        threading.Thread(target=self._serve, name="memtrace", daemon=True).start()
+
+    def request(self, *_) -> None:
+        self._requests.put(None)
+
+    def _serve(self) -> None:
+        while True:
+            self._requests.get()
+            while True:  # requests that came while the last dump ran: this one dump answers them all
+                try:
+                    self._requests.get_nowait()
+                    self.merged += 1
+                except queue.Empty:
+                    break
+            try:
+                self._dump()
+            except Exception:  # the thread must outlive a failed dump: the next signal tries again
+                log.exception("the memory trace failed")
+            self.dumps += 1
+
+
 def install_from_env() -> Tracer | None:
     """Start the trace and hook SIGUSR1 when ``LORAPLANE_TRACEMALLOC`` names a file; else nothing."""
     path = os.environ.get(ENV)
     if not path:
         return None
     tracer = Tracer(Path(path))
-
-    def on_signal(*_) -> None:
-        try:
-            tracer.dump()
-        except Exception:  # a handler's exception would surface in whatever the event loop was running
-            log.exception("the memory trace failed")
-
-    signal.signal(signal.SIGUSR1, on_signal)
+    signal.signal(signal.SIGUSR1, Dumper(tracer.dump).request)  # before the event loop exists (kopf.run)
     return tracer

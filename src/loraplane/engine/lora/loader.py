@@ -8,6 +8,9 @@ ends, ``on_done`` is called (the serving loop's wake-up: it may be blocked waiti
 
 A remote version's load starts with its ``fetch`` (the pull of its files from S3 into the host cache) on the
 same worker, so pulls share the loads' order and byte bound and never run on the engine thread.
+
+Two asks for the same key share one load, unless the key was ``detach``ed between them: a version registered
+again after an unload is another record with another source, and must never be handed the old one's load.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ DEFAULT_WORKERS = 4
 DEFAULT_MAX_BYTES = 2 << 30
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # a job is itself: two loads of one key are two jobs
 class _Job:
     key: str
     folder: Path | None
@@ -61,8 +64,9 @@ class AdapterLoader:
             initializer=_one_cpu_thread if one_cpu_thread else None,
         )
         self._lock = threading.Lock()
-        self._queued: OrderedDict[str, _Job] = OrderedDict()  # waiting for room, in submission order
-        self._running: dict[str, _Job] = {}
+        self._queued: OrderedDict[_Job, None] = OrderedDict()  # waiting for room, in submission order
+        self._running: set[_Job] = set()
+        self._joinable: dict[str, _Job] = {}  # key -> the queued or running load a new ask for it shares
         self.in_flight_bytes = 0
         self.max_in_flight = 0  # the most loads that ran at once (tests, benchmarks)
 
@@ -83,15 +87,26 @@ class AdapterLoader:
         return self._queue(_Job(key, None, None, None, nbytes, fetch))
 
     def _queue(self, job: _Job) -> Future:
-        key = job.key
         with self._lock:
-            old = self._running.get(key) or self._queued.get(key)
+            old = self._joinable.get(job.key)
             if old is not None:
                 return old.future
-            self._queued[key] = job
+            self._queued[job] = None
+            self._joinable[job.key] = job
             started = self._take()
         self._start(started)
         return job.future
+
+    def detach(self, key: str) -> None:
+        """Forget the load of ``key`` that a new ask would share (its version record was replaced): the next
+        ask starts its own. A detached load still queued is cancelled (its record is gone); one running
+        ends on its own, its result going only to the record that asked for it."""
+        with self._lock:
+            job = self._joinable.pop(key, None)
+            if job is None or job not in self._queued:
+                return
+            del self._queued[job]
+        job.future.cancel()
 
     @property
     def pending(self) -> int:
@@ -102,11 +117,11 @@ class AdapterLoader:
         """Jobs that may start now (under the lock): in order, while the bytes in flight leave room."""
         started = []
         while self._queued:
-            job = next(iter(self._queued.values()))
+            job = next(iter(self._queued))
             if self._running and self.in_flight_bytes + job.nbytes > self.max_bytes:
                 break
-            del self._queued[job.key]
-            self._running[job.key] = job
+            del self._queued[job]
+            self._running.add(job)
             self.in_flight_bytes += job.nbytes
             started.append(job)
         self.max_in_flight = max(self.max_in_flight, len(self._running))
@@ -128,7 +143,9 @@ class AdapterLoader:
         else:
             job.future.set_result(weights)
         with self._lock:
-            self._running.pop(job.key, None)
+            self._running.discard(job)
+            if self._joinable.get(job.key) is job:
+                del self._joinable[job.key]
             self.in_flight_bytes -= job.nbytes
             started = self._take()
         self._start(started)
@@ -137,7 +154,8 @@ class AdapterLoader:
 
     def close(self) -> None:
         with self._lock:
-            queued, self._queued = list(self._queued.values()), OrderedDict()
+            queued, self._queued = list(self._queued), OrderedDict()
+            self._joinable.clear()
         for job in queued:
             job.future.cancel()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -21,23 +21,24 @@ from pathlib import Path
 
 import torch
 
-from loraplane.engine.api import AdapterError, AdapterInfo, RemoteAdapter, adapter_key
+from loraplane.engine.api import AdapterError, AdapterInfo, adapter_key
 from loraplane.engine.lora.load_queue import LoadQueue
 from loraplane.engine.lora.loader import AdapterLoader
 from loraplane.engine.lora.pinned import PinnedArena, take_or_evict
-from loraplane.engine.lora.remote import checked_ranks
+from loraplane.engine.lora.registration import Registrations
+from loraplane.engine.lora.remote import public_error
 from loraplane.engine.lora.safetensors_io import Reader, read_file
 from loraplane.engine.lora.tier_moves import TierMoves
 from loraplane.engine.lora.tiers import GpuTier, HostTier
-from loraplane.engine.lora.version import AdapterVersion, known_sha256
-from loraplane.engine.lora.weights import AdapterWeights, header_ranks, load_adapter_weights
+from loraplane.engine.lora.version import AdapterVersion, known_sha256, load_failure
+from loraplane.engine.lora.weights import AdapterWeights, load_adapter_weights
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.kernels import LoRABatchMeta, LoRAPool
 
 ARENA_WAIT_S = 0.5  # how long a parse waits for copies in flight to give arena blocks back
 
 
-class AdapterTiers(TierMoves):
+class AdapterTiers(Registrations, TierMoves):
     def __init__(self, model_config: ModelConfig, pools: dict[str, LoRAPool], *, max_rank: int,
                  host_bytes: int, max_num_batched_tokens: int, max_num_seqs: int,
                  graph_batch_size: int = 0, gpu_tier: GpuTier | None = None,
@@ -99,11 +100,18 @@ class AdapterTiers(TierMoves):
         return block
 
     def _drop_lru_host(self) -> bool:
-        with self.lock:
+        """Drop one host copy nothing needs (loader threads). Never waits for the lock: the engine thread
+        may hold it while it waits for this very parse (``ensure_resident``); the arena's wait then runs out
+        and the parse takes pageable memory instead of deadlocking."""
+        if not self.lock.acquire(timeout=0.005):
+            return False
+        try:
             victim = next((k for k in self.host.entries if self._host_evictable(k)), None)
             if victim is not None:
                 self.host.drop(victim)
             return victim is not None
+        finally:
+            self.lock.release()
 
     def _loaded(self) -> None:
         waker = self.waker
@@ -115,69 +123,7 @@ class AdapterTiers(TierMoves):
         host-to-device copy landing does not, so while one is in flight it looks again soon."""
         return 0.0005 if self.gpu.copies_in_flight() else 0.05
 
-    # -- registry (any thread) --------------------------------------------------------------------------
-    def register(self, name: str, version: str, folder: Path, digest: str, weights: AdapterWeights | None, *,
-                 pin: bool = False, load_s: float = 0.0) -> AdapterInfo:  # fmt: skip
-        key = adapter_key(name, version)
-        sha256 = (
-            weights.digest() if weights is not None else None
-        )  # before the lock: it may wait for the hash
-        with self.lock:
-            old = self.versions.get(key)
-            if old is not None and old.digest != digest:
-                raise AdapterError(
-                    "AdapterConflict", f"{key}: already loaded with digest {old.digest}, not {digest}"
-                )
-            if old is not None:
-                old.unloading = False
-                self.unloading.discard(key)
-                old.pinned = old.pinned or pin
-                return self.info(key)
-            if weights is None:
-                raise AdapterError("AdapterNotFound", f"adapter {key!r} is not loaded")
-            for m, r in weights.ranks.items():
-                if r > self.gpu.pools[m].num_pages:
-                    raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
-            v = AdapterVersion(
-                name, version, digest, Path(folder), weights.rank, self.gpu.bytes_for(weights), pin
-            )
-            v.timings["load"] = load_s
-            v.sha256, v.ranks = sha256, dict(weights.ranks)
-            self.versions[key] = v
-            self.host.put(key, weights, self._host_evictable)
-            return self.info(key)
-
-    def register_on_disk(self, name: str, version: str, folder: Path, digest: str, *,
-                         pin: bool = False) -> AdapterInfo:  # fmt: skip
-        """Register a version whose weights stay in ``folder`` until a request needs them (only the config
-        and the weights file's header are read now; the full checks run when it loads)."""
-        ranks = header_ranks(folder, self.model_config, max_rank=self.max_rank)
-        return self._register_shape(name, version, Path(folder), digest, ranks, pin)
-
-    def register_remote(self, name: str, version: str, digest: str, remote: RemoteAdapter, *,
-                        pin: bool = False) -> AdapterInfo:  # fmt: skip
-        """Register a version whose files are not on this node: ``remote.fetch`` brings them on a loader
-        worker when a request or a warm-up first needs it (the usual parse and checks follow)."""
-        key = adapter_key(name, version)
-        ranks = checked_ranks(key, remote, self.max_rank, self.gpu.pools)
-        return self._register_shape(name, version, None, digest, ranks, pin, remote)
-
-    def _register_shape(self, name: str, version: str, folder: Path | None, digest: str,
-                        ranks: dict[str, int], pin: bool, remote: RemoteAdapter | None = None) -> AdapterInfo:  # fmt: skip
-        """A version known by its ranks alone (no weights parsed yet)."""
-        key = adapter_key(name, version)
-        with self.lock:
-            if key in self.versions:
-                return self.register(name, version, folder, digest, None, pin=pin)
-            for m, r in ranks.items():
-                if r > self.gpu.pools[m].num_pages:
-                    raise AdapterError("RankTooHigh", f"{key}: {m} rank {r} exceeds the adapter pool")
-            shape = AdapterWeights(a={}, b={}, ranks=ranks)
-            v = AdapterVersion(name, version, digest, folder, shape.rank, self.gpu.bytes_for(shape), pin)
-            v.ranks, v.remote = ranks, remote
-            self.versions[key] = v
-            return self.info(key)
-
+    # -- registry (any thread; registration: Registrations) ------------------------------------------------
     def prefetch(self, key: str) -> Future | None:
         """Start loading a disk or remote version into the host tier (any thread: it only hands the read or
         the pull to the loader), so a warm-up can wait for it off the engine thread. Its load, or None."""
@@ -251,10 +197,12 @@ class AdapterTiers(TierMoves):
             v.state, v.error = "warm", None
 
     def mark_failed(self, key: str, error: AdapterError) -> None:
-        """``key`` can never serve (its warm-up forward failed): its requests fail, ``info`` shows why."""
+        """``key`` can never serve (its warm-up failed): its requests fail, ``info`` shows why. A version
+        whose load already failed keeps that first failure (the warm-up only found it)."""
         with self.lock:
             v = self.versions[key]
-            v.state, v.error = "failed", f"{error.reason}: {error}"
+            if v.state != "failed":
+                v.state, v.error, v.error_reason = "failed", f"{error.reason}: {error}", error.reason
 
     def has_room_for(self, key: str) -> bool:
         """Resident already, or it fits the GPU pools without evicting anything."""
@@ -325,7 +273,7 @@ class AdapterTiers(TierMoves):
                 self.wanted.add(key)
                 self._advance(key)
             if v.state == "failed":
-                raise AdapterError(v.error_reason or "BadAdapterFile", f"adapter {key!r}: {v.error}")
+                raise AdapterError(v.error_reason or "BadAdapterFile", f"adapter {key!r}: {public_error(v)}")
 
     def acquire(self, key: str) -> None:
         with self.lock:
@@ -363,7 +311,7 @@ class AdapterTiers(TierMoves):
             self.step_keys = frozenset(keys)  # making one of them resident must not evict another
             try:
                 self.poll()
-                self.ensure_resident(keys)
+                self._ensure_resident_or_why(keys)
             finally:
                 self.step_keys = frozenset()
             for key in keys:
@@ -378,6 +326,17 @@ class AdapterTiers(TierMoves):
             if kind == "graph":
                 return dict.fromkeys(self.gpu.pools, meta)
             return {m: meta if m in used else None for m in self.gpu.pools}
+
+    def _ensure_resident_or_why(self, keys) -> None:
+        """``ensure_resident``, whose refusal names a load's own failure (the pull's or the parse's reason)
+        rather than only that the version cannot be made resident."""
+        try:
+            self.ensure_resident(keys)
+        except AdapterError as error:
+            why = next(filter(None, (load_failure(k, self.versions.get(k)) for k in keys)), None)
+            if why is None:
+                raise
+            raise why from error
 
     def graph_metas(self, modules=None) -> dict[str, LoRABatchMeta | None]:
         """The fixed metadata a decode graph is captured with (no tiles), for ``modules`` (default: every

@@ -4,7 +4,9 @@ this node when a request first needs them (``engine.api.RemoteAdapter``).
 The fetch is the serving side's (the S3 pull into the host cache, with its signature, base-hash and
 per-file checks); it runs on a loader worker as the first half of the version's load (``TierMoves``), and
 the engine only checks that it brought the version it registered. Its failure is the version's failure,
-named by the fetch's reason, like a folder that fails to parse.
+named by the fetch's reason, like a folder that fails to parse. The fetch's message (which may name the
+source: endpoint, bucket, object) is kept for ``info`` (the admin API) and never told to the version's
+requests: they learn the version and the reason.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from loraplane.engine.api import AdapterError, RemoteAdapter
+from loraplane.engine.lora.version import AdapterVersion
 
 PULL_FAILED = "PullFailed"  # a fetch that failed without naming a reason
 
@@ -47,3 +50,11 @@ def fetch(key: str, remote: RemoteAdapter, digest: str) -> Path:
             "DigestMismatch", f"pull: {key}: fetched manifest {fetched}, registered as {digest}"
         )
     return Path(folder)
+
+
+def public_error(v: AdapterVersion) -> str | None:
+    """What the requests of a failed version are told after its name: the reason, and the message of a
+    failure on this node (a parse names the file and tensor); a pull's message stays with the operator."""
+    if v.remote is not None and v.folder is None:  # it failed before any file of it reached this node
+        return f"{v.error_reason}: the pull of its files failed"
+    return v.error

@@ -106,8 +106,10 @@ class TierMoves:
         dropped it reads the disk and never pulls again."""
         start = time.perf_counter()
         folder = remote.fetch(key, v.remote, v.digest)
-        with self.lock:
-            v.folder, v.timings["pull"] = folder, time.perf_counter() - start
+        # No lock: the engine thread may hold it while it waits for this very load (ensure_resident), and
+        # it reads the folder only once the load's future is done. Two attribute stores need none.
+        v.timings["pull"] = time.perf_counter() - start
+        v.folder = folder
         return folder
 
     def poll(self) -> None:

@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loraplane.engine.api import RemoteAdapter
+from loraplane.engine.api import AdapterError, RemoteAdapter
 
 
 @dataclass(slots=True)
@@ -40,3 +40,11 @@ def known_sha256(v: AdapterVersion) -> str | None:
         v.sha256, v.timings["disk_hash"] = v.hashing.result()
         v.hashing = None
     return v.sha256
+
+
+def load_failure(key: str, v: AdapterVersion | None) -> AdapterError | None:
+    """Why ``v`` cannot be made resident when its load (a pull or a parse) failed, named by the load's own
+    reason; None unless its load failed."""
+    if v is None or v.state != "failed" or v.error_reason in (None, "WarmFailed"):
+        return None
+    return AdapterError(v.error_reason, f"adapter {key!r}: {v.error}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 
 from loraplane.artifacts.errors import BAD_MANIFEST, ArtifactError
+from loraplane.artifacts.fsutil import file_identity, settled
 from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
 from loraplane.engine.api import AdapterError
 from loraplane.engine.lora.layout import Layouts, header_key, layout_of
@@ -110,8 +110,8 @@ def load_adapter_weights(
         buf = read(path)
     except OSError as exc:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
-    settled = _settled(path, before)
-    unchanged = sha256 is not None and settled and before == file_id
+    stable = settled(path, before)
+    unchanged = sha256 is not None and stable and before == file_id
     timings["read"] = (t1 := time.perf_counter()) - t0
     shapes, alloc = module_shapes(cfg), alloc or new_buffer(pin)
     key = header_key(buf, repr(config), tuple(shapes.items()), cfg.num_layers, max_rank, dtype)
@@ -131,7 +131,7 @@ def load_adapter_weights(
         _check_finite(bad, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
-    out.timings, out.file_id = timings, before if settled else None
+    out.timings, out.file_id = timings, before if stable else None
     if sha256 is None:  # nothing to check it against: the hash finishes off the load's path (``digest()``)
         out.hashing = hashing
         return out
@@ -158,27 +158,6 @@ def _parse(buf: memoryview) -> dict[str, torch.Tensor]:
         raise AdapterError(
             "BadAdapterFile", f"{WEIGHTS_FILE}: not a readable safetensors file ({exc})"
         ) from None
-
-
-def file_identity(path: Path) -> tuple[int, int, int, int, int]:
-    """(device, inode, size, mtime, ctime in ns): the same tuple means the same file, not written since.
-    The ctime cannot be set back from user space, so restoring the mtime after a write does not hide it."""
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-
-
-SETTLE_NS = 2_000_000_000  # coarser than any file system's timestamp tick (1 s on some, 4 ms on most)
-
-
-def _settled(path: Path, before: tuple) -> bool:
-    """The file kept its identity through the read, and its last change is older than any timestamp tick:
-    a write in the same tick as the change that gave it that identity would not change it again (git's
-    "racily clean" rule), so a file changed just now is never trusted by its identity."""
-    try:
-        after = file_identity(path)
-    except OSError:  # gone just after the read: the read stands, its identity does not
-        return False
-    return after == before and time.time_ns() - max(before[3], before[4]) > SETTLE_NS
 
 
 def _sha256(buf: memoryview) -> tuple[str, float]:

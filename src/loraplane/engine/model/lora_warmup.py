@@ -82,27 +82,54 @@ def warm_plan(max_rank: int, kinds: dict[str, tuple[int, int]], free_slots: list
     return plan
 
 
+def module_sets(pools, configured) -> list[frozenset | None]:
+    """The module sets to warm: every module (None), then each configured family's set that the pools
+    have. A step whose adapters cover only some modules launches the packed projections (q, k, v) with fewer
+    slices, another compilation (PEFT's default, q and v, is the common one)."""
+    sets: list[frozenset | None] = [None]
+    for modules in configured:
+        have = frozenset(modules) & frozenset(pools)
+        if have and have != frozenset(pools) and have not in sets:
+            sets.append(have)
+    return sets
+
+
+def _spans(n: int, max_len: int) -> tuple[torch.Tensor, list[PrefillSpan]]:
+    """Positions [n] and prefill spans for ``n`` tokens as sequences of at most ``max_len`` (positions past
+    a model's length have no rotary row)."""
+    spans, row = [], 0
+    while row < n:
+        m = min(max_len, n - row)
+        spans.append(PrefillSpan(row, m, m, -1))
+        row += m
+    return torch.arange(n) % max_len, spans
+
+
 @torch.inference_mode()
-def warm_lora_kernels(model, lora_state, tiers, device: torch.device, vocab_size: int, max_rank: int,
-                      kinds: tuple[str, ...]) -> int:  # fmt: skip
-    """Run the warm-up forwards of ``kinds`` (of ``tiers``' metadata builders); returns how many ran. Only
-    slots free in every pool are used, so nothing an adapter holds is touched."""
-    free = [s for s in range(tiers.gpu.num_slots) if tiers.gpu.ranks[s] == 0]
+def warm_lora_kernels(runner, kinds: tuple[str, ...]) -> int:
+    """Run the warm-up forwards of ``kinds`` (the runner's adapter tiers' metadata builders); returns how many
+    ran. Steps hold at most ``max_num_seqs`` groups and the profiled step size (profile_forward's) in tokens;
+    only slots free in every pool are used, so nothing an adapter holds is touched."""
+    cfg, tiers, state, device = runner.config, runner.lora, runner.lora_state, runner.device
+    tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * runner.max_model_len)
+    free = [s for s in range(tiers.gpu.num_slots) if tiers.gpu.ranks[s] == 0][: cfg.max_num_seqs]
     builders = {k: tiers._metas[k] for k in kinds if k in tiers._metas}
-    plan = warm_plan(max_rank, {k: (m.capacity, m.tile_m) for k, m in builders.items()}, free)
+    plan = warm_plan(cfg.max_lora_rank, {k: (min(m.capacity, tokens), m.tile_m) for k, m in builders.items()},
+                     free)  # fmt: skip
+    sets = module_sets(state.pools, cfg.lora_graph_module_sets)
     for kind, rank, reqs in plan:
         ranks = list(tiers.gpu.ranks)
         for slot, _ in reqs:
             ranks[slot] = rank  # the builder's view only: the device rank table keeps 0 (no work)
         meta = builders[kind].build(reqs, ranks)
-        lora_state.metas = dict.fromkeys(lora_state.pools, meta)
         n = sum(t for _, t in reqs)
-        ids = torch.arange(1, n + 1, device=device) % vocab_size  # [n]
-        positions = torch.arange(n, device=device)  # [n]
-        attn = AttentionMetadata(slot_mapping=torch.full((n,), -1, device=device),
-                                 prefill=[PrefillSpan(0, n, n, -1)])  # fmt: skip
-        model(ids, positions, attn, torch.tensor([n - 1], device=device))
-    lora_state.metas = dict.fromkeys(lora_state.pools)
+        ids = torch.arange(1, n + 1, device=device) % runner.vocab_size  # [n]
+        positions, spans = _spans(n, runner.max_model_len)
+        attn = AttentionMetadata(slot_mapping=torch.full((n,), -1, device=device), prefill=spans)
+        for modules in sets:
+            state.metas = {m: meta if modules is None or m in modules else None for m in state.pools}
+            runner.model(ids, positions.to(device), attn, torch.tensor([n - 1], device=device))
+    state.metas = dict.fromkeys(state.pools)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return len(plan)
+    return len(plan) * len(sets)

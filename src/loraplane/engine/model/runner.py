@@ -295,8 +295,7 @@ class ModelRunner:
         too when some decode batch is not served by a captured graph."""
         eager_decode = self.graphs is None or self.graphs.max_batch_size < self.config.max_num_seqs
         kinds = ("prefill", "decode") if eager_decode else ("prefill",)
-        warm_lora_kernels(self.model, self.lora_state, self.lora, self.device, self.vocab_size,
-                          self.config.max_lora_rank, kinds)  # fmt: skip
+        warm_lora_kernels(self, kinds)
 
     # --------------------------------------------------------------------------------------- inputs
     def _prepare(self, batch) -> StepInputs:
