@@ -5,7 +5,6 @@ step with adapters compiles a kernel after it."""
 from __future__ import annotations
 
 import random
-import sys
 
 import pytest
 
@@ -25,6 +24,7 @@ from loraplane.engine.model.lora_warmup import (  # noqa: E402
     warm_plan,
 )
 from loraplane.kernels import launch_config  # noqa: E402
+from loraplane.kernels.compiles import triton_compiled  # noqa: E402
 from loraplane.kernels.launch_config import pick_config  # noqa: E402
 from loraplane.kernels.metadata import LoRABatchMeta  # noqa: E402
 from tests.engine.peft_adapters import ADAPTER_SPECS, save_peft_adapter  # noqa: E402
@@ -141,24 +141,6 @@ def test_warmup_touches_no_adapter(make_hf_model, tmp_path):
     assert torch.equal(_logits(engine, [5, 6, 7, 8, 9]), before)
 
 
-def _compiled() -> int:
-    """Kernels Triton compiled so far in this process, over loraplane's JIT functions."""
-    from triton.runtime.jit import JITFunction
-
-    seen, total = set(), 0
-    for name, module in list(sys.modules.items()):
-        if not name.startswith("loraplane") or module is None:
-            continue
-        for value in vars(module).values():
-            fn = getattr(value, "fn", value)
-            if isinstance(fn, JITFunction) and id(fn) not in seen:
-                seen.add(id(fn))
-                for cache in getattr(fn, "device_caches", {}).values():
-                    first = cache[0] if isinstance(cache, tuple) else cache
-                    total += len(first) if isinstance(first, dict) else 0
-    return total
-
-
 @pytest.mark.gpu
 def test_gpu_no_compile_in_steps_after_warmup(make_hf_model, tmp_path):
     if not torch.cuda.is_available():
@@ -173,7 +155,7 @@ def test_gpu_no_compile_in_steps_after_warmup(make_hf_model, tmp_path):
     for i, name in enumerate(names):
         folder = save_peft_adapter(base, root / name, seed=i, **ADAPTER_SPECS[name])
         lora.register(name, "v1", folder, f"sha256:{name}", lora.parse(folder))
-    compiled = _compiled()
+    compiled = triton_compiled()
     rng = random.Random(0)
     for _ in range(12):  # prefill steps of every size class, one or several adapters
         picks = rng.sample(names, rng.randint(1, 3))
@@ -187,4 +169,4 @@ def test_gpu_no_compile_in_steps_after_warmup(make_hf_model, tmp_path):
             ScheduledBatch([ScheduledChunk(s, 0, len(s.token_ids), True) for s in seqs])
         )
     torch.cuda.synchronize()
-    assert _compiled() == compiled
+    assert triton_compiled() == compiled

@@ -1,0 +1,27 @@
+"""How many kernels Triton has compiled in this process: benchmarks report it per window, and tests check
+that steps after the engine's warm-up compile nothing."""
+
+from __future__ import annotations
+
+import sys
+
+
+def triton_compiled() -> int:
+    """Kernels Triton has compiled so far in this process, over every JIT function of loraplane (0 without
+    Triton)."""
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return 0
+    seen, total = set(), 0
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("loraplane") or module is None:
+            continue
+        for value in vars(module).values():
+            fn = getattr(value, "fn", value)  # autotuners / heuristics wrap the JIT function
+            if isinstance(fn, JITFunction) and id(fn) not in seen:
+                seen.add(id(fn))
+                for cache in getattr(fn, "device_caches", {}).values():
+                    first = cache[0] if isinstance(cache, tuple) else cache
+                    total += len(first) if isinstance(first, dict) else 0
+    return total
