@@ -231,13 +231,18 @@ def test_every_answer_names_its_adapter_version_and_the_base_none(world):
 def test_a_client_leaving_mid_stream_frees_its_sequence(world, engine):
     body = {"model": "support", "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
     headers = {"Authorization": "Bearer key-all"}
-    with httpx.stream(
-        "POST", f"{world.public.url}/v1/completions", json=body, headers=headers, timeout=60
-    ) as r:
-        next(r.iter_lines())
-        in_flight = lambda: next(a.in_flight for a in engine.adapters() if a.key == "support@v1")  # noqa: E731
-        assert in_flight() == 1
-    wait_until(lambda: in_flight() == 0 and not engine.engine.has_unfinished(), "the sequence freed")
+    slow = [True]  # each step takes 5 ms while the client reads its first line: the stream is still running
+    engine.add_step_listener(lambda _stats: slow[0] and time.sleep(0.005))
+    try:
+        with httpx.stream(
+            "POST", f"{world.public.url}/v1/completions", json=body, headers=headers, timeout=60
+        ) as r:
+            next(r.iter_lines())
+            in_flight = lambda: next(a.in_flight for a in engine.adapters() if a.key == "support@v1")  # noqa: E731
+            assert in_flight() == 1
+        wait_until(lambda: in_flight() == 0 and not engine.engine.has_unfinished(), "the sequence freed")
+    finally:
+        slow[0] = False
     time.sleep(0.05)
 
 
