@@ -69,15 +69,7 @@ class S3Source:
     def pull(self, spec: LoadSpec) -> LocalPull:
         policy = policy_for(self.info_fn(), spec.digest)
         started = time.perf_counter()
-        local = self.cache.pull(
-            spec.uri,
-            trusted_keys=self.trusted_keys,
-            expected_base_hash=policy.expected_base_hash,
-            pinned_digest=spec.digest,
-            max_rank=policy.max_rank,
-            allowed_modules=policy.allowed_modules,
-            acquire=True,
-        )
+        local = self.cache.pull(spec.uri, **self._checks(policy, spec), acquire=True)
         download_s = time.perf_counter() - started
         try:
             _check_identity(local.manifest, spec)
@@ -95,11 +87,7 @@ class S3Source:
         policy = policy_for(self.info_fn(), spec.digest)
         verified = fetch_verified_manifest(
             spec.uri,
-            trusted_keys=self.trusted_keys,
-            expected_base_hash=policy.expected_base_hash,
-            pinned_digest=spec.digest,
-            max_rank=policy.max_rank,
-            allowed_modules=policy.allowed_modules,
+            **self._checks(policy, spec),
             max_file_bytes=self.cache.max_file_bytes,
             s3_client=self.cache.client,
             retry=self.cache.retry,
@@ -107,6 +95,12 @@ class S3Source:
         manifest = verified.manifest
         _check_identity(manifest, spec)
         return RemoteManifest(verified.digest, dict(manifest.ranks), manifest.total_bytes)
+
+    def _checks(self, policy, spec: LoadSpec) -> dict:
+        """What a pull and a manifest check both hold the artifact to."""
+        return dict(trusted_keys=self.trusted_keys, expected_base_hash=policy.expected_base_hash,
+                    pinned_digest=spec.digest, max_rank=policy.max_rank,
+                    allowed_modules=policy.allowed_modules)  # fmt: skip
 
     def release(self, digest: str) -> None:
         self.cache.release(digest)

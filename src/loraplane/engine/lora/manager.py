@@ -338,6 +338,10 @@ class AdapterTiers(Registrations, TierMoves):
                 raise
             raise why from error
 
+    def step_metadata(self) -> dict[str, LoRABatchMeta]:
+        """The metadata builder of each step kind ('decode', 'prefill', and 'graph' when decode is captured)."""
+        return dict(self._metas)
+
     def graph_metas(self, modules=None) -> dict[str, LoRABatchMeta | None]:
         """The fixed metadata a decode graph is captured with (no tiles), for ``modules`` (default: every
         module); the others get None, so the graph holds no launch for them."""

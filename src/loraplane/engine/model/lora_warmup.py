@@ -6,9 +6,9 @@ compile-time constants. Triton compiles each new combination on first use, on th
 fraction of a second to a second each: under adapter churn, the first steps of every new rank and size class
 stall every tenant (tens of compilations when ranks 8 to 64 and prompts of every length arrive at once).
 
-The warm-up runs one forward per (step kind, rank class, tile-count class), no KV written, with the LoRA
-metadata of requests on free pool slots: the metadata builder sees the class's rank, while the device's rank
-table says 0 for a free slot, so the kernels compile and launch but read and write nothing.
+The warm-up runs one forward per step kind, rank class, tile-count class and module family, no KV written,
+with the LoRA metadata of requests on free pool slots: the metadata builder sees the class's rank, while the
+device's rank table says 0 for a free slot, so the kernels compile and launch but read and write nothing.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def tile_counts(max_tiles: int) -> list[int]:
     For widths that are multiples of 16, pick_config's column chunk doubles as the tile count about doubles:
     each of its classes is an interval [a, b) of tile counts with b >= 2a - 1 (integer division), cut at the
     largest possible one, so it holds a power of two or that largest count. (Widths that are not are
-    masked tensor-parallel shards, whose engines do not warm.) The split of K changes once, after FEW_TILES; a class that spans
-    that step holds FEW_TILES (a power of two) below it and FEW_TILES + 1 above it."""
+    masked tensor-parallel shards, whose engines do not warm.) The split of K changes once, after FEW_TILES;
+    a class that spans that step holds FEW_TILES (a power of two) below it and FEW_TILES + 1 above it."""
     counts, t = set(), 1
     while t < max_tiles:
         counts.add(t)
@@ -113,7 +113,7 @@ def warm_lora_kernels(runner, kinds: tuple[str, ...]) -> int:
     cfg, tiers, state, device = runner.config, runner.lora, runner.lora_state, runner.device
     tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * runner.max_model_len)
     free = [s for s in range(tiers.gpu.num_slots) if tiers.gpu.ranks[s] == 0][: cfg.max_num_seqs]
-    builders = {k: tiers._metas[k] for k in kinds if k in tiers._metas}
+    builders = {k: m for k, m in tiers.step_metadata().items() if k in kinds}
     plan = warm_plan(cfg.max_lora_rank, {k: (min(m.capacity, tokens), m.tile_m) for k, m in builders.items()},
                      free)  # fmt: skip
     sets = module_sets(state.pools, cfg.lora_graph_module_sets)
