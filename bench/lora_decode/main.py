@@ -113,10 +113,10 @@ def lora_bytes(runner: ModelRunner, adapters) -> int:
     return sum(runner.lora.gpu.bytes_of[k] for k in keys)
 
 
-# CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default. {"table": False}:
-# the occupancy rule alone (the launches before the measured table); {"fused": True}: one launch per
-# projection (kernels/triton_fused.py).
-SWEEP = ({"table": False}, {}, {"fused": True})
+# CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default. {"overlap": False}:
+# each shrink after its base GEMM on one stream (the default runs it beside the GEMM, kernels/overlap.py);
+# {"fused": True}: one launch per projection (kernels/triton_fused.py).
+SWEEP = ({"overlap": False}, {})
 
 
 def recapture(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
