@@ -15,13 +15,19 @@ adapter (threads or processes) download each file once and the others wait. Budg
 download, least recently used adapters that are neither pinned nor in use are evicted (a blob goes when no
 adapter links it any more). Pulls of different adapters running at once can overshoot by their in-flight size.
 
+Checks on a hit (``verify_on_hit``, the default): a cached file is hashed again unless this process
+verified it (downloaded it from a verified stream, or hashed it once its content had settled) and it kept
+its identity since (``fsutil.file_identity``: device, inode, size, mtime, ctime). Any write changes the
+identity, so a changed file is hashed, and a corrupt one evicted and fetched again; bit rot that changes no
+timestamp is caught only by a hash, i.e. by another process or after the memo forgot the blob. The memo
+holds the most recently used ``VERIFIED_MAX`` blobs and forgets a blob this process removes.
+
 Split: blobstore.py holds the storage layer (layout, blobs, locks, pins, in-use marks); this module adds
 pulls, the verification of cached folders and LRU eviction.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import shutil
@@ -47,7 +53,6 @@ from loraplane.artifacts.verify import (
     VerifiedManifest,
     check_folder_contents,
     fetch_verified_manifest,
-    hash_file,
     verify_manifest_bytes,
 )
 
@@ -67,6 +72,11 @@ _CORRUPTION = frozenset(
         E.BAD_SIGNATURE,
     }
 )
+
+# Counters ``stats`` shows. hash_passes / bytes_hashed: cached files hashed again on a hit (the memo could not
+# vouch for them); a download's own hash is not counted.
+_STATS = ("hits", "misses", "downloads", "bytes_downloaded", "evictions", "corrupt_evictions", "hash_passes",
+          "bytes_hashed")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +203,7 @@ class HostCache(BlobStore):
                 raise E.ArtifactError(E.MISSING_FILE, "missing from the cached folder", name)
             if path.stat().st_size != entry.size:
                 raise E.ArtifactError(E.FILE_SIZE_MISMATCH, "cached size differs", name)
-            if rehash and hash_file(path, name, entry.sha256) != entry.sha256:
+            if rehash and not self.check_file(path, name, entry.sha256):
                 raise E.ArtifactError(E.FILE_HASH_MISMATCH, "cached content differs", name)
 
     def _assemble(self, hex_: str, verified: VerifiedManifest, bucket: str, policy: Policy) -> None:
@@ -204,20 +214,7 @@ class HostCache(BlobStore):
         build.mkdir()
         try:
             for name, entry in verified.manifest.files.items():
-                for _attempt in range(3):  # an evictor may drop an orphan blob between download and link
-                    blob = self._ensure_blob(bucket, verified.locations[name].key, name, entry)
-                    try:
-                        os.link(blob, build / name)
-                        break
-                    except FileNotFoundError:
-                        continue
-                    except OSError as exc:
-                        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
-                            raise
-                        shutil.copyfile(blob, build / name)
-                        break
-                else:
-                    raise E.ArtifactError(E.CACHE_FULL, "blob evicted repeatedly while assembling", name)
+                self._ensure_blob(bucket, verified.locations[name].key, name, entry, build / name)
             write_atomic(build / MANIFEST_FILE, verified.manifest_bytes)
             write_atomic(build / SIGNATURE_FILE, verified.signature_bytes)
             check_folder_contents(build, verified.manifest, policy)
@@ -290,6 +287,7 @@ class HostCache(BlobStore):
             with suppress(FileNotFoundError):
                 st = blob.stat()
                 if st.st_ino in corrupt_blobs or st.st_nlink == 1:
+                    self._forget(blob.name)
                     os.unlink(blob.path)
 
     def evict(self, digest: str) -> bool:
@@ -331,8 +329,5 @@ class HostCache(BlobStore):
             "blobs": sum(1 for _ in os.scandir(self.root / "blobs")),
             "pinned": sum(e["pinned"] for e in entries),
             "in_use": sum(1 for e in entries if e["in_use"]),
-            **{
-                k: counters.get(k, 0)
-                for k in ("hits", "misses", "downloads", "bytes_downloaded", "evictions", "corrupt_evictions")
-            },
+            **{k: counters.get(k, 0) for k in _STATS},
         }

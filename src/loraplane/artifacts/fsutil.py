@@ -70,12 +70,25 @@ def file_identity(path: Path) -> tuple[int, int, int, int, int]:
 SETTLE_NS = 2_000_000_000  # coarser than any file system's timestamp tick (1 s on some, 4 ms on most)
 
 
+def unchanged(path: Path, before: tuple) -> bool:
+    """The file still has identity ``before`` (False when it is gone: what was read from it stands, its
+    identity does not)."""
+    try:
+        return file_identity(path) == before
+    except OSError:
+        return False
+
+
 def settled(path: Path, before: tuple) -> bool:
     """The file still has identity ``before``, and its last change is older than any timestamp tick: a
     write in the same tick as the change that gave it that identity would not change it again (git's
     "racily clean" rule), so a file changed just now is never trusted by its identity."""
-    try:
-        after = file_identity(path)
-    except OSError:  # gone: what was read from it stands, its identity does not
-        return False
-    return after == before and time.time_ns() - max(before[3], before[4]) > SETTLE_NS
+    return unchanged(path, before) and time.time_ns() - max(before[3], before[4]) > SETTLE_NS
+
+
+def written_long_ago(before: tuple) -> bool:
+    """The content of a file with identity ``before`` was last written (its mtime) longer ago than any
+    timestamp tick, so any write from now on gives it another mtime. Only its status may have changed
+    since (a hard link or a chmod moves the ctime, not the bytes): a hash read now stands for every read
+    of the same identity."""
+    return time.time_ns() - before[3] > SETTLE_NS

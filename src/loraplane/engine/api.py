@@ -45,17 +45,31 @@ class AdapterInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class VerifiedFile:
+    """What a fetch verified of the weights file it brought: its digest and the file's identity then. A load
+    that finds the file with that identity before and after its read does not hash it again.
+
+    ``file_id`` is ``artifacts.fsutil.file_identity``'s (device, inode, size, mtime ns, ctime ns); the fetch
+    vouches that a file with it holds those bytes: it hashed them, and any write since would have moved the
+    mtime (the content was written longer ago than a timestamp tick when it was hashed)."""
+
+    sha256: str  # "sha256:<hex>"
+    file_id: tuple[int, int, int, int, int]
+
+
+@dataclass(frozen=True, slots=True)
 class RemoteAdapter:
     """An adapter version whose files are not on this node yet (the "remote" tier). The engine registers it
     from what its verified manifest says, and ``fetch`` brings the files when a request (or a warm-up) first
     needs them: on a loader thread, in the loads' pipeline, never on the engine thread.
 
     ``fetch()`` blocks until the files are in a verified local folder and returns it with the manifest digest
-    it verified; it raises on any failure (an exception with a CamelCase ``reason`` names it, else the
+    it verified, and optionally a third item: the ``VerifiedFile`` of its weights (or None); it raises on any
+    failure (an exception with a CamelCase ``reason`` names it, else the
     version fails as ``PullFailed``). The serving side owns the folder (the host cache entry) and releases it
     when the version is unloaded."""
 
-    fetch: Callable[[], tuple[Path, str]]
+    fetch: Callable[[], tuple[Path, str] | tuple[Path, str, VerifiedFile | None]]
     ranks: dict[str, int]  # module -> rank (the largest over layers), from the signed manifest
     nbytes: int  # the bytes the fetch brings (what the loader's byte bound counts)
 

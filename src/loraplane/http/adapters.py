@@ -99,7 +99,7 @@ class AdapterRegistry:
 
     def __init__(self, engine, metrics: Metrics, puller, release, pin_cache, inspect=None) -> None:
         """``puller(spec)`` (blocking, run in a thread) returns a verified local folder (``path``, ``digest``,
-        ``download_s``, ``verify_s``) held in use; ``release(digest)`` and ``pin_cache(digest, pinned)`` act
+        ``download_s``, ``verify_s``, and ``weights``: the weights file's ``VerifiedFile`` or None) held in use; ``release(digest)`` and ``pin_cache(digest, pinned)`` act
         on that host-cache entry. ``inspect(spec)`` (blocking) verifies the manifest alone and returns its
         ``digest``, ``ranks`` and ``nbytes``: what a lazy registration needs (without it, none is taken)."""
         self.engine, self.metrics = engine, metrics
@@ -236,7 +236,7 @@ class AdapterRegistry:
             self._release(local.digest)
             raise AdapterError("AdapterNotFound", f"{entry.key} was unloaded while it was pulled")
         _tell(loop, self._pulled, entry, local)
-        return local.path, local.digest
+        return local.path, local.digest, getattr(local, "weights", None)  # the engine need not hash it again
 
     def _pulled(self, entry: Entry, local) -> None:
         self._phase(entry, "download", local.download_s)

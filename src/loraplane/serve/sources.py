@@ -4,8 +4,10 @@ Both paths end in a folder the engine may load and the manifest digest that name
 version registered lazily is first only inspected (its manifest fetched and verified, no weights), and
 pulled when its first request needs it. S3 adapters
 are always signed: the host cache verifies the signature against the trusted keys, the base hash against the
-loaded base and every file's hash while it streams, then every file is hashed once more from the cached
-folder before the engine reads it. Local folders (``loraplane serve --adapter name=DIR``) must be signed when
+loaded base and every file's hash while it streams, then every file is checked once more in the cached
+folder before the engine reads it: hashed, unless this process verified that very file (same inode, size,
+mtime and ctime) before. The engine is told the weights file's hash and identity as verified, so its load
+hashes the file only if it changed since. Local folders (``loraplane serve --adapter name=DIR``) must be signed when
 trusted keys are configured; without any (local development) an unsigned folder is accepted once its
 shapes fit the base, and the log says so.
 """
@@ -22,7 +24,7 @@ from pathlib import Path
 from loraplane.artifacts import errors as E
 from loraplane.artifacts.manifest import MANIFEST_FILE, SIGNATURE_FILE, WEIGHTS_FILE
 from loraplane.artifacts.verify import Policy, fetch_verified_manifest, verify_folder
-from loraplane.engine.api import EngineInfo
+from loraplane.engine.api import EngineInfo, VerifiedFile
 from loraplane.http.adapters import LoadSpec
 
 log = logging.getLogger("loraplane.serve.sources")
@@ -36,6 +38,7 @@ class LocalPull:
     version: str
     download_s: float = 0.0
     verify_s: float = 0.0
+    weights: VerifiedFile | None = None  # the weights file as verified, when its identity is known
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,12 +77,17 @@ class S3Source:
         try:
             _check_identity(local.manifest, spec)
             started = time.perf_counter()
-            verify_folder(local.path, trusted_keys=self.trusted_keys, policy=policy)
+            verify_folder(
+                local.path, trusted_keys=self.trusted_keys, policy=policy, holds=self.cache.check_file
+            )
             verify_s = time.perf_counter() - started
         except BaseException:
             self.cache.release(local.digest)
             raise
-        return LocalPull(local.path, local.digest, local.manifest.version, download_s, verify_s)
+        sha256 = local.manifest.files[WEIGHTS_FILE].sha256
+        file_id = self.cache.verified_identity(local.weights_path, sha256)
+        weights = VerifiedFile("sha256:" + sha256, file_id) if file_id is not None else None
+        return LocalPull(local.path, local.digest, local.manifest.version, download_s, verify_s, weights)
 
     def inspect(self, spec: LoadSpec) -> RemoteManifest:
         """Verify the version's manifest in S3 (signature, base hash, ranks and modules against the engine,

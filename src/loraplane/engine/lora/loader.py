@@ -37,7 +37,8 @@ class _Job:
     sha256: str | None
     file_id: tuple | None
     nbytes: int
-    fetch: Callable[[], Path] | None = None  # brings the files first; returns their folder
+    # brings the files first; returns their folder, and the weights' sha256 and file_id if it verified them
+    fetch: Callable[[], tuple[Path, str | None, tuple | None]] | None = None
     future: Future = field(default_factory=Future)
 
 
@@ -81,9 +82,13 @@ class AdapterLoader:
             nbytes = 0  # the parse names what is missing
         return self._queue(_Job(key, Path(folder), sha256, file_id, nbytes))
 
-    def submit_fetch(self, key: str, fetch: Callable[[], Path], nbytes: int) -> Future:
+    def submit_fetch(
+        self, key: str, fetch: Callable[[], tuple[Path, str | None, tuple | None]], nbytes: int
+    ) -> Future:
         """Queue a load whose files ``fetch`` brings first (blocking, on the worker; its exception fails the
-        load); ``nbytes``: what it brings, counted against the bytes in flight like a file's size."""
+        load): it returns their folder, and the weights file's sha256 and file_id as ``submit`` takes them
+        (None, None when it did not verify them); ``nbytes``: what it brings, counted against the bytes in
+        flight like a file's size."""
         return self._queue(_Job(key, None, None, None, nbytes, fetch))
 
     def _queue(self, job: _Job) -> Future:
@@ -136,8 +141,9 @@ class AdapterLoader:
 
     def _run(self, job: _Job) -> None:
         try:
-            folder = job.fetch() if job.fetch is not None else job.folder
-            weights = self.parse(folder, job.sha256, job.file_id)
+            if job.fetch is not None:
+                job.folder, job.sha256, job.file_id = job.fetch()
+            weights = self.parse(job.folder, job.sha256, job.file_id)
         except BaseException as error:  # noqa: BLE001 - it belongs to the requests of this adapter
             job.future.set_exception(error)
         else:

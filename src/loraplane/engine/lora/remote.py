@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loraplane.engine.api import AdapterError, RemoteAdapter
+from loraplane.engine.api import AdapterError, RemoteAdapter, VerifiedFile
 from loraplane.engine.lora.version import AdapterVersion
 
 PULL_FAILED = "PullFailed"  # a fetch that failed without naming a reason
@@ -35,11 +35,15 @@ def checked_ranks(key: str, remote: RemoteAdapter, max_rank: int, modules) -> di
     return {m: remote.ranks[m] for m in modules if m in remote.ranks}  # the pools' order
 
 
-def fetch(key: str, remote: RemoteAdapter, digest: str) -> Path:
-    """Run the fetch (a loader worker; blocking) and return the folder it brought; AdapterError naming the
-    fetch's reason, or ``DigestMismatch`` when it brought another version than the one registered."""
+def fetch(key: str, remote: RemoteAdapter, digest: str) -> tuple[Path, VerifiedFile | None]:
+    """Run the fetch (a loader worker; blocking) and return the folder it brought, with what it verified of
+    the weights file when it says; AdapterError naming the fetch's reason, or ``DigestMismatch`` when it
+    brought another version than the one registered."""
     try:
-        folder, fetched = remote.fetch()
+        folder, fetched, *rest = remote.fetch()
+        weights = rest[0] if rest else None
+        if len(rest) > 1 or not (weights is None or isinstance(weights, VerifiedFile)):
+            raise TypeError("fetch must return (folder, digest) or (folder, digest, VerifiedFile | None)")
     except Exception as error:  # noqa: BLE001 - it belongs to the requests of this version
         reason = getattr(error, "reason", None)
         reason = reason if isinstance(reason, str) and reason.isidentifier() else PULL_FAILED
@@ -49,7 +53,7 @@ def fetch(key: str, remote: RemoteAdapter, digest: str) -> Path:
         raise AdapterError(
             "DigestMismatch", f"pull: {key}: fetched manifest {fetched}, registered as {digest}"
         )
-    return Path(folder)
+    return Path(folder), weights
 
 
 def public_error(v: AdapterVersion) -> str | None:

@@ -101,16 +101,17 @@ class TierMoves:
             return self.loader.submit_fetch(key, lambda: self._fetch(key, v), v.remote.nbytes)
         return self.loader.submit(key, v.folder, known_sha256(v), v.file_id)
 
-    def _fetch(self, key: str, v: AdapterVersion) -> Path:
-        """A remote version's pull (a loader worker). Its folder is kept, so a reload after the host tier
-        dropped it reads the disk and never pulls again."""
+    def _fetch(self, key: str, v: AdapterVersion) -> tuple[Path, str | None, tuple | None]:
+        """A remote version's pull (a loader worker): its folder, and the weights file's digest and identity
+        when the pull verified them (the parse then hashes the file only if it changed since). Its folder is
+        kept, so a reload after the host tier dropped it reads the disk and never pulls again."""
         start = time.perf_counter()
-        folder = remote.fetch(key, v.remote, v.digest)
+        folder, weights = remote.fetch(key, v.remote, v.digest)
         # No lock: the engine thread may hold it while it waits for this very load (ensure_resident), and
         # it reads the folder only once the load's future is done. Two attribute stores need none.
         v.timings["pull"] = time.perf_counter() - start
         v.folder = folder
-        return folder
+        return (folder, weights.sha256, weights.file_id) if weights is not None else (folder, None, None)
 
     def poll(self) -> None:
         """Advance every pending load and free unloaded versions nothing uses any more."""

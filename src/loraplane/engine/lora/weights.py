@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from loraplane.artifacts.errors import BAD_MANIFEST, ArtifactError
-from loraplane.artifacts.fsutil import file_identity, settled
+from loraplane.artifacts.fsutil import file_identity, settled, unchanged
 from loraplane.artifacts.peft_config import EMBEDDING_NAMES, AdapterConfig, parse_adapter_config
 from loraplane.engine.api import AdapterError
 from loraplane.engine.lora.layout import Layouts, header_key, layout_of
@@ -95,8 +95,10 @@ def load_adapter_weights(
     lives in one buffer: ``alloc(nbytes)``'s (the host tier's page-locked arena), else a new one, page-locked
     when ``pin``. ``sha256``: the file must hash to it ("sha256:<hex>"), else ``ChecksumMismatch``; without
     it the hash of this read (which fixes the bytes) may still run when this returns: ``digest()``.
-    ``file_id``: the file's identity when it last hashed to ``sha256``; a file that has it before and after
-    this read has not been written since (any write changes its ctime), so its hash is not computed again."""
+    ``file_id``: the file's identity when it last hashed to ``sha256``, recorded only once its content had
+    settled (its own earlier read, or a verifier that vouches for it: ``api.VerifiedFile``); a file that has
+    it before and after this read has not been written since (any write moves its mtime past the recorded
+    one, and its ctime), so its hash is not computed again."""
     folder = Path(folder)
     config = read_config(folder)
     path = folder / WEIGHTS_FILE
@@ -111,13 +113,13 @@ def load_adapter_weights(
     except OSError as exc:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
     stable = settled(path, before)
-    unchanged = sha256 is not None and stable and before == file_id
+    trusted = sha256 is not None and before == file_id and (stable or unchanged(path, before))
     timings["read"] = (t1 := time.perf_counter()) - t0
     shapes, alloc = module_shapes(cfg), alloc or new_buffer(pin)
     key = header_key(buf, repr(config), tuple(shapes.items()), cfg.num_layers, max_rank, dtype)
     layout = LAYOUTS.get(key, len(buf))
     tensors = _parse(buf) if layout is None else None  # views: a malformed file is named before it is hashed
-    hashing = None if unchanged else _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
+    hashing = None if trusted else _HASHER.submit(_sha256, buf)  # beside the stacking: both release the GIL
     try:
         data = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
         if layout is not None:
@@ -131,7 +133,7 @@ def load_adapter_weights(
         _check_finite(bad, factors)
     finally:
         timings["stack"] = time.perf_counter() - t1
-    out.timings, out.file_id = timings, before if stable else None
+    out.timings, out.file_id = timings, before if stable or trusted else None
     if sha256 is None:  # nothing to check it against: the hash finishes off the load's path (``digest()``)
         out.hashing = hashing
         return out
