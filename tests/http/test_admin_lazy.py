@@ -91,6 +91,19 @@ def test_a_lazy_put_pulls_nothing_and_the_first_request_serves_like_an_eager_loa
     assert tokens_of(complete(world, MODEL_NAME))[1] != pytest.approx(logprobs, abs=1e-5)  # the adapter acts
 
 
+def test_the_engine_loads_a_lazy_pull_without_hashing_its_weights_again(clean, engine):
+    """The pull verified the weights file against the signed manifest and hands the engine its digest and
+    the file's identity then: the load does not hash the file again (a load's ``disk_hash`` is the hash's
+    seconds, 0.0 when none ran), and the version holds the manifest's digest at once."""
+    world = clean
+    put_lazy(world, "support")
+    assert len(tokens_of(complete(world, "support"))[1]) == 6
+    version = engine.engine.runner.lora.versions["support@v1"]
+    sha256 = world.published["support-v1"].manifest.files[WEIGHTS].sha256
+    assert (version.sha256, version.hashing) == ("sha256:" + sha256, None)
+    assert world.versions("support")["v1"]["timings"]["disk_hash"] == 0.0
+
+
 def test_a_later_eager_put_pulls_and_warms_a_lazy_version(clean, engine):
     world = clean
     put_lazy(world, "support")
