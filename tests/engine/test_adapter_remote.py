@@ -5,13 +5,16 @@ needs it. The S3 pull itself, through the admin API, is tested in tests/http/tes
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import os
 import shutil
 import threading
 from pathlib import Path
 
 import pytest
 
-from loraplane.engine.api import AdapterError, RemoteAdapter
+from loraplane.artifacts.fsutil import file_identity
+from loraplane.engine.api import AdapterError, RemoteAdapter, VerifiedFile
 from loraplane.engine.core.errors import RequestError
 from tests.engine.peft_adapters import save_peft_adapter
 from tests.engine.test_adapter_churn import GREEDY, collect, make_async
@@ -159,6 +162,56 @@ def test_a_remote_registration_is_refused_by_its_ranks_naming_the_module(folders
                 )
             assert err.value.reason == reason and field in err.value.message, err.value
             assert not engine.adapters()
+        finally:
+            await engine.aclose()
+
+    asyncio.run(main())
+
+
+class VerifiedFetch(Fetch):
+    """A fetch that also tells what it verified of the weights file: its digest and the file's identity then.
+    ``write_after``: the file is written once verified (same size, its mtime put back)."""
+
+    def __init__(self, source: Path, dest: Path, digest: str, write_after: bool) -> None:
+        super().__init__(source, dest, digest)
+        self.write_after = write_after
+
+    def __call__(self) -> tuple[Path, str, VerifiedFile]:
+        folder, digest = super().__call__()
+        weights = folder / "adapter_model.safetensors"
+        verified = VerifiedFile(
+            "sha256:" + hashlib.sha256(weights.read_bytes()).hexdigest(), file_identity(weights)
+        )
+        if self.write_after:
+            stat, data = weights.stat(), bytearray(weights.read_bytes())
+            data[-8:] = b"\x00" * 8  # the last values become zeros: still a valid file
+            weights.write_bytes(bytes(data))
+            os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        return folder, digest, verified
+
+
+@pytest.mark.parametrize("write_after", [False, True], ids=["unwritten", "written-after"])
+def test_a_fetch_that_verified_the_weights_spares_the_load_its_hash_unless_the_file_changed(
+    folders, tmp_path, write_after
+):
+    base, made = folders
+
+    async def main():
+        engine = make_async(base)
+        try:
+            fetch = VerifiedFetch(made["far"], tmp_path / "pulled", "sha256:far", write_after)
+            await engine.register_remote_adapter("far", "v1", "sha256:far", remote(fetch))
+            if write_after:  # the identity moved: hashed, and refused
+                with pytest.raises(RequestError, match="ChecksumMismatch"):
+                    await asyncio.wait_for(collect(engine, "far@v1"), 30)
+                return
+            assert len(await asyncio.wait_for(collect(engine, "far@v1"), 30)) == GREEDY.max_tokens
+            version = engine.engine.runner.lora.versions["far@v1"]
+            want = (
+                "sha256:"
+                + hashlib.sha256((made["far"] / "adapter_model.safetensors").read_bytes()).hexdigest()
+            )
+            assert (version.sha256, version.hashing, version.timings["disk_hash"]) == (want, None, 0.0)
         finally:
             await engine.aclose()
 
