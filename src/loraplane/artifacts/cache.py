@@ -20,7 +20,8 @@ verified it (downloaded it from a verified stream, or hashed it once its content
 its identity since (``fsutil.file_identity``: device, inode, size, mtime, ctime). Any write changes the
 identity, so a changed file is hashed, and a corrupt one evicted and fetched again; bit rot that changes no
 timestamp is caught only by a hash, i.e. by another process or after the memo forgot the blob. The memo
-holds the most recently used ``VERIFIED_MAX`` blobs and forgets a blob this process removes.
+holds the most recently used ``VERIFIED_MAX`` blobs and forgets a blob this process removes. Removing
+another folder's link to a shared blob moves its ctime too: its next hit hashes it once more.
 
 Split: blobstore.py holds the storage layer (layout, blobs, locks, pins, in-use marks); this module adds
 pulls, the verification of cached folders and LRU eviction.

@@ -113,7 +113,7 @@ def load_adapter_weights(
     except OSError as exc:
         raise AdapterError("BadAdapterFile", f"{WEIGHTS_FILE}: unreadable ({exc})") from None
     stable = settled(path, before)
-    trusted = sha256 is not None and before == file_id and (stable or unchanged(path, before))
+    trusted = sha256 is not None and before == file_id and unchanged(path, before)
     timings["read"] = (t1 := time.perf_counter()) - t0
     shapes, alloc = module_shapes(cfg), alloc or new_buffer(pin)
     key = header_key(buf, repr(config), tuple(shapes.items()), cfg.num_layers, max_rank, dtype)
