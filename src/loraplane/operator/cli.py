@@ -134,7 +134,6 @@ def run(args) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
     allocator.release_large_blocks()  # else RSS ratchets up at every burst of connections
-    allocator.start_trimming()  # the free pages a burst leaves inside the arenas go back every 30 s
     memtrace.install_from_env()  # off unless LORAPLANE_TRACEMALLOC names a file
     if args.metrics_port:
         from prometheus_client import start_http_server
