@@ -165,9 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-adapters", choices=("used", "all"), default=None,
                         help="with --admin-s3: push and register only the adapters the trace uses, or all "
                         "(S3 keeps each distinct file once); default: all (quick), used (gpu)")  # fmt: skip
-    parser.add_argument("--admin-warm", choices=("host", "lazy"), default=None,
+    parser.add_argument("--admin-warm", choices=("host", "disk", "lazy"), default=None,
                         help="with --admin-s3: pull, load and warm every adapter at registration (host, the "
-                        "default), or register each from its manifest and pull it at its first request (lazy)")  # fmt: skip
+                        "default); pull each onto the node's disk, loaded by its first request (disk); or "
+                        "register each from its manifest and pull it at its first request (lazy)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.admin_adapters is not None and not args.admin_s3:
         parser.error("--admin-adapters: only with --admin-s3")
@@ -251,7 +252,7 @@ def lora_rows(args, work: Path, mode: str, folders: dict[str, Path], used: set[i
             if listed != len(chosen):
                 raise RuntimeError(f"/v1/models lists {listed} adapters after registering {len(chosen)}")
             how = f"{len(chosen)} adapters loaded through the admin API from S3"
-            how += ", pulled at their first request" if args.admin_warm == "lazy" else ""
+            how += {"lazy": ", pulled at their first request", "disk": ", pulled to disk, loaded at their first request"}.get(args.admin_warm, "")  # fmt: skip
         else:
             url = stack.enter_context(serve(work, mode, folders, *budgets, argv_out=argv))
             how = f"{len(folders)} adapters on the disk tier"

@@ -150,9 +150,9 @@ def admin_url(setup: AdminSetup) -> str:
 
 
 async def register(setup: AdminSetup, timeout_s: float = 3600, warm: str = "host") -> dict:
-    """PUT every artifact, then wait for all to be warm (``warm="lazy"``: registered, pulled by their first
+    """PUT every artifact, then wait for all to be warm (``warm="disk"``: pulled; ``"lazy"``: registered, pulled by their first
     request); returns the time and the admin API's views."""
-    ready = ("warm",) if warm != "lazy" else ("loaded", "warm")
+    ready = ("warm",) if warm not in ("lazy", "disk") else ("loaded", "warm")
     headers = {"Authorization": f"Bearer {TOKEN}"}
     gate = asyncio.Semaphore(PUT_AT_ONCE)
     async with httpx.AsyncClient(base_url=admin_url(setup), headers=headers, timeout=600) as client:

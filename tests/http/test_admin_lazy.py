@@ -285,3 +285,28 @@ def test_a_lazy_pull_is_pinned_to_the_manifest_verified_at_registration(clean, e
         assert world.proxy.count("GET", new_blob) == 0  # refused at the manifest
     finally:
         push_adapter(adapter.folder, world.s3, BUCKET, force=True)
+
+
+def test_a_disk_put_pulls_now_and_the_first_request_loads_from_the_node(clean, engine):
+    """``warm: "disk"``: the PUT pulls and verifies into the host cache and registers the folder on the disk
+    tier (nothing in host memory or on the GPU); the first request loads it with no S3 call, same tokens
+    as an eager load; a later eager PUT warms it."""
+    world = clean
+    response = world.put("chat", world.published["chat-v1"], warm="disk")
+    assert response.status_code == 200, response.text
+    entry = response.json()
+    assert (entry["state"], entry["tier"], entry["serving"]) == ("loaded", "disk", True)
+    assert {"download", "verify"} <= set(entry["timings"])
+    assert weights_gets(world, "chat") == 1 and engine.tier_of("chat@v1") == "disk"
+    on_disk = tokens_of(complete(world, "chat"))
+    assert weights_gets(world, "chat") == 1  # loaded from this node's disk, not S3
+    assert engine.tier_of("chat@v1") in ("gpu", "host")
+    warm = world.put("chat", world.published["chat-v1"], warm="gpu")
+    assert warm.status_code == 200 and warm.json()["state"] == "warm", warm.text
+    assert tokens_of(complete(world, "chat")) == on_disk
+
+    assert world.delete("chat").status_code == 200
+    eager = world.put("chat", world.published["chat-v1"])
+    assert eager.status_code == 200, eager.text
+    text, logprobs = tokens_of(complete(world, "chat"))
+    assert text == on_disk[0] and logprobs == pytest.approx(on_disk[1], abs=1e-5)

@@ -1,6 +1,8 @@
 """``AdapterRegistry``: the pod's adapter lifecycle behind the admin API: pull -> verify -> load -> warm -> (serve).
 
-A lazy version (``warm: "lazy"``) stops after its signed manifest is verified: the engine registers it on its
+A disk version (``warm: "disk"``) stops once pulled and verified: the engine registers its local folder on
+the disk tier, and its first request loads it. A lazy version (``warm: "lazy"``) stops after its signed
+manifest is verified: the engine registers it on its
 remote tier with a fetch (this registry's pull, run by the engine's loader when a request first needs it), so
 a pod can take thousands of versions without pulling one. Once pulled it is an ordinary disk-tier version.
 
@@ -69,6 +71,7 @@ class LoadSpec:
     pin: bool = False
     gpu: bool = True  # what `warm` asked for (the warm-up forward runs on the device either way)
     lazy: bool = False  # `warm: "lazy"`: register from the manifest; the first request pulls it
+    disk: bool = False  # `warm: "disk"`: pull now, register on the disk tier; the first request loads it
 
 
 @dataclass(slots=True)
@@ -123,7 +126,12 @@ class AdapterRegistry:
             entry.task = asyncio.create_task(self._load(entry), name=f"load {key}")
         elif entry.spec.pin != spec.pin and entry.state in (LOADED, WARM):
             await self.set_pin(spec.name, spec.version, spec.pin)
-        if entry.spec.lazy and not spec.lazy and entry.state == LOADED and entry.task.done():
+        if (
+            (entry.spec.lazy or entry.spec.disk)
+            and not (spec.lazy or spec.disk)
+            and entry.state == LOADED
+            and entry.task.done()
+        ):
             entry.spec = LoadSpec(**{**_fields(spec), "pin": entry.spec.pin})  # asked warm now: warm it up
             entry.task = asyncio.create_task(self._warm_lazy(entry), name=f"warm {key}")
         if entry.task is not None and not entry.task.done():
@@ -151,11 +159,15 @@ class AdapterRegistry:
             entry.state = CACHED
             started = time.perf_counter()
             await self.engine.load_adapter(spec.name, spec.version, Path(local.path), local.digest, pin=spec.pin,
-                                           expected_base_hash=self.engine.info().base_hash)  # fmt: skip
+                                           expected_base_hash=self.engine.info().base_hash, on_disk=spec.disk)  # fmt: skip
             loaded = True
             self._phase(entry, "load", time.perf_counter() - started)
             self.metrics.loads.inc()
             entry.state = LOADED
+            if spec.disk:  # on this node's disk, verified: the first request loads it
+                if self.engine.resolve(spec.name) is None:  # the first version of a name serves at once
+                    await self.engine.set_alias(spec.name, spec.version)
+                return
             await self._warm(entry)
         except BaseException as exc:
             await self._fail(entry, exc, loaded)

@@ -62,9 +62,10 @@ class LoadBody(BaseModel):
     version: Version
     manifest_digest: str | None = Field(default=None, pattern=DIGEST_PATTERN)
     pin: bool = False
-    # gpu | host: pull, load and warm now. lazy: verify the signed manifest only; the first request that
-    # names the version pulls it (on the engine's loader), so registering thousands pulls nothing.
-    warm: Literal["gpu", "host", "lazy"] = "gpu"
+    # gpu | host: pull, load and warm now. disk: pull and verify onto this node's disk now, and register it
+    # on the disk tier: its first request loads it. lazy: verify the signed manifest only; the first request
+    # that names the version pulls it (on the engine's loader), so registering thousands pulls nothing.
+    warm: Literal["gpu", "host", "disk", "lazy"] = "gpu"
 
 
 class AliasBody(BaseModel):
@@ -185,12 +186,12 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
             raise AdminError(500, POD_FAILED, "this server has no --host-cache-dir: it cannot pull adapters",
                              SERVER_ERROR)  # fmt: skip
         spec = LoadSpec(name, body.version, body.uri, body.manifest_digest, body.pin, body.warm == "gpu",
-                        lazy=body.warm == "lazy")  # fmt: skip
+                        lazy=body.warm == "lazy", disk=body.warm == "disk")  # fmt: skip
         entry = await registry.ensure(spec, wait_s)
         if entry.state == FAILED and entry.error is not None:
             raise entry.error
         view = _view_of(name, body.version)
-        done = entry.state == WARM or (spec.lazy and entry.state == LOADED)
+        done = entry.state == WARM or ((spec.lazy or spec.disk) and entry.state == LOADED)
         return JSONResponse(view, status_code=200 if done else 202)
 
     def _view_of(name: str, version: str) -> dict:

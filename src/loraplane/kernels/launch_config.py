@@ -71,6 +71,8 @@ class CapturePolicy:
     ``table``: shapes listed in ``DECODE_TABLE`` take its measured launch fields (under the fields above).
     ``fused``: one launch per projection (``triton_fused``: split-K shrink, then expand by the same
     programs once their tile's shrink is complete) instead of a shrink and an expand launch.
+    ``overlap``: where the caller passes its base GEMM (``lora_apply(..., base=)``), the shrink runs on a
+    side stream beside it (``overlap.py``) instead of after it.
     """
 
     tile_programs: int = 0
@@ -78,9 +80,10 @@ class CapturePolicy:
     k_per_program: int = 0
     table: bool = True
     fused: bool = False
+    overlap: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("table", "fused"):
+        for name in ("table", "fused", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CapturePolicy.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("tile_programs", "n_chunk", "k_per_program"):

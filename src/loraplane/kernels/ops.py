@@ -7,11 +7,13 @@ path on CPU (``backend="triton"``) under TRITON_INTERPRET=1.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from loraplane.kernels.launch_config import capture_policy
 from loraplane.kernels.metadata import LoRABatchMeta
+from loraplane.kernels.overlap import beside_stream
 from loraplane.kernels.pool import LoRAPool
 from loraplane.kernels.reference import expand_torch, shrink_torch
 
@@ -78,6 +80,7 @@ def lora_apply(
     *,
     backend: str = "auto",
     config=None,
+    base: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Semantics: for every token t with adapter a = token_slot[t] >= 0 and every slice s,
     y[t, c_s:c_s + w_s] += scale_a * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with c_s = slice_starts[s] and
@@ -86,6 +89,8 @@ def lora_apply(
     y: [T, spec.y_width] (the base projection's output, any float dtype of the pool), x: [T, in_dim],
     meta.num_tokens <= T <= meta.capacity (rows past num_tokens: no adapter). In place; returns y. ``config`` (a LaunchConfig)
     overrides the heuristic launch shape on the Triton path. Graph-safe when ``meta.capture`` is set.
+    ``base``: a callable that writes y's base values first (the projection's GEMM; it may run more than
+    once); on captured launches (``CapturePolicy.overlap``) the shrink runs beside it on a side stream.
     """
     spec, a, bt = _checked(x, pool, layer, module, meta)
     if y.dim() != 2 or y.shape != (x.shape[0], spec.y_width) or y.stride(1) != 1:
@@ -98,15 +103,17 @@ def lora_apply(
 
         tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
         key = (id(pool), module, x.shape[0], x.stride(0), y.stride(0), config)
-        plan = meta.plans.get(key)
+        plan, side = meta.plans.get(key), _side(x, meta, base)
         if plan is not None:  # every layer after the first of a step: launches only
             pt_b = getattr(pool, "page_table_b", None)
-            return plan.run(y, x, a, bt, pool.page_table, pool.ranks, pool.scales, meta, pt_b)
+            return plan.run(y, x, a, bt, pool.page_table, pool.ranks, pool.scales, meta, pt_b, base, side)
         cfg = config or pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
         return lora_apply_triton(
             y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg, meta.plans, key,
-            getattr(pool, "page_table_b", None),
+            getattr(pool, "page_table_b", None), base, side,
         )  # fmt: skip
+    if base is not None:
+        base()
     ranks = pool.host_ranks()
     v = shrink_torch(x, a, pool.page_table, ranks, meta, pool.page_rank, pool.max_rank)
     return expand_torch(
@@ -123,6 +130,7 @@ def lora_apply_many(
     meta: LoRABatchMeta,
     *,
     backend: str = "auto",
+    base: Callable[[], None] | None = None,
 ) -> torch.Tensor:
     """Semantics: for each (pool, module, c0) of ``targets``, ``lora_apply(y[:, c0:c0 + w], x, pool,
     layer, module, meta)`` with w the module's width: several pools that share x and one slot
@@ -130,7 +138,7 @@ def lora_apply_many(
 
     y: [T, >= every c0 + w] row-contiguous; x: [T, in_dim]. In place; returns y. On the Triton path
     single-slice modules of one in_dim and page geometry take one shrink and one expand launch in all
-    (``PoolsPlan``); anything else runs one ``lora_apply`` per target.
+    (``PoolsPlan``); anything else runs one ``lora_apply`` per target. ``base``: as in ``lora_apply``.
     """
     spans = []
     for pool, module, c0 in targets:
@@ -154,10 +162,20 @@ def lora_apply_many(
         key = ("pools", tuple(map(id, pools)), modules, starts, x.shape[0], x.stride(0), y.stride(0))
         widths = tuple(p.modules[m].out_dims[0] for p, m in zip(pools, modules, strict=True))
         cfg = pick_config(meta, x.shape[1], widths, x.dtype) if key not in meta.plans else None
-        return lora_apply_pools_triton(y, x, pools, modules, starts, layer, meta, cfg, meta.plans, key)
-    for (pool, module, c0), (_, c1) in zip(targets, spans, strict=True):
-        lora_apply(y[:, c0:c1], x, pool, layer, module, meta, backend=backend)
+        side = _side(x, meta, base)
+        return lora_apply_pools_triton(
+            y, x, pools, modules, starts, layer, meta, cfg, meta.plans, key, base, side
+        )
+    for k, ((pool, module, c0), (_, c1)) in enumerate(zip(targets, spans, strict=True)):
+        lora_apply(y[:, c0:c1], x, pool, layer, module, meta, backend=backend, base=None if k else base)
     return y
+
+
+def _side(x: torch.Tensor, meta: LoRABatchMeta, base) -> torch.cuda.Stream | None:
+    """The side stream a captured launch's shrink runs on beside ``base`` (None: one stream)."""
+    if base is None or not meta.capture or not x.is_cuda or not capture_policy().overlap:
+        return None
+    return beside_stream(x.device)
 
 
 def _poolable(targets, layer: int) -> bool:

@@ -16,6 +16,7 @@ from triton.runtime.errors import OutOfResources
 
 from loraplane.kernels.launch_config import LaunchConfig
 from loraplane.kernels.metadata import LoRABatchMeta
+from loraplane.kernels.overlap import shrink_beside
 from loraplane.kernels.triton_fused import fused_args, fused_launch
 from loraplane.kernels.triton_ops import expand_args, expand_launch, shrink_args, shrink_launch
 
@@ -52,17 +53,23 @@ class ApplyPlan:
         self.expand = expand_launch(y, bt, page_table, out_dims, slice_starts, meta, page_rank, cfg,
                                     num_slices, split)  # fmt: skip
 
-    def run(self, y, x, a, bt, page_table, ranks, scales, meta: LoRABatchMeta, page_table_b=None):
-        """Launch for one layer's tensors. ``page_table_b``: expand's own table (default: the shrink's)."""
+    def run(self, y, x, a, bt, page_table, ranks, scales, meta: LoRABatchMeta, page_table_b=None,
+            base=None, side=None):  # fmt: skip
+        """Launch for one layer's tensors. ``page_table_b``: expand's own table (default: the shrink's).
+        ``base``: writes y (the base GEMM) before the expand; with ``side``, beside the shrink."""
         if self.expand is None:
+            shrink_beside(None, base, None)
             return y
         pt_b = page_table if page_table_b is None else page_table_b
         if self.one is not None:
+            shrink_beside(None, base, None)
             for launch in self.one:
                 launch(*fused_args(x, a, self.v, y, bt, page_table, pt_b, ranks, scales, meta))
             return y
+        shrink = None
         if self.shrink is not None:
-            self.shrink(*shrink_args(x, a, self.v, page_table, ranks, meta))
+            shrink = lambda: self.shrink(*shrink_args(x, a, self.v, page_table, ranks, meta))  # noqa: E731
+        shrink_beside(shrink, base, side)
         self.expand(*expand_args(y, self.v, bt, pt_b, ranks, scales, meta, x, a))
         return y
 
@@ -80,18 +87,21 @@ def lora_apply_triton(
     plans: dict | None = None,
     key=None,
     page_table_b: torch.Tensor | None = None,
+    base=None,
+    side=None,
 ) -> torch.Tensor:
     """shrink + expand (or the fused expand alone). ``pool_tables`` = (page_table, ranks, scales,
     page_rank, max_rank); slices as in ``ModuleSpec``; ``page_table_b``: expand's own page table (default:
     the shared one). With ``plans`` (a dict that lives as long as ``meta``'s contents, e.g.
-    ``meta.plans``) the launch shapes are kept under ``key`` for later calls."""
+    ``meta.plans``) the launch shapes are kept under ``key`` for later calls. ``base``/``side``: as in
+    ``ApplyPlan.run`` (``base`` writes all of y, so a retry after a failed first compile may run it again)."""
     page_table, ranks, scales, _, _ = pool_tables
     plan = plans.get(key) if plans is not None else None
     if plan is not None:
-        return plan.run(y, x, a, bt, page_table, ranks, scales, meta, page_table_b)
+        return plan.run(y, x, a, bt, page_table, ranks, scales, meta, page_table_b, base, side)
     plan = ApplyPlan(y, x, a, bt, pool_tables, out_dims, slice_starts, meta, cfg)
     try:
-        plan.run(y, x, a, bt, page_table, ranks, scales, meta, page_table_b)
+        plan.run(y, x, a, bt, page_table, ranks, scales, meta, page_table_b, base, side)
     except OutOfResources:
         # Compilation happens on the first call (never inside a graph capture): retry with shallower
         # pipelines and narrower K tiles, and remember the choice.
@@ -100,7 +110,20 @@ def lora_apply_triton(
         smaller = dataclasses.replace(plan.cfg, num_stages=2, block_k=max(32, plan.cfg.block_k // 2))
         _FALLBACK[cfg] = _FALLBACK[plan.cfg] = smaller
         return lora_apply_triton(
-            y, x, a, bt, pool_tables, out_dims, slice_starts, meta, smaller, plans, key, page_table_b
+            y,
+            x,
+            a,
+            bt,
+            pool_tables,
+            out_dims,
+            slice_starts,
+            meta,
+            smaller,
+            plans,
+            key,
+            page_table_b,
+            base,
+            side,
         )
     if plans is not None:
         plans[key] = plan
@@ -155,8 +178,10 @@ class PoolsPlan:
             _pad3(_offset(t, pt_b[0]) for t in pt_b[1:]),
         )
 
-    def run(self, y, x, pools, modules, layer: int, meta: LoRABatchMeta):
+    def run(self, y, x, pools, modules, layer: int, meta: LoRABatchMeta, base=None, side=None):
+        """Launch for one layer's tensors; ``base``/``side`` as in ``ApplyPlan.run``."""
         if self.expand is None:
+            shrink_beside(None, base, None)
             return y
         p0, m0 = pools[0], modules[0]
         a0, bt0 = p0.a[(layer, m0)], p0.bt[(layer, m0)]
@@ -165,12 +190,19 @@ class PoolsPlan:
         bo, bs = _pad3(_offset(b, bt0) for b in bts), _pad3(b.stride(0) for b in bts)
         pto, rko, sco, pto_b = self.tables
         if self.one is not None:
+            shrink_beside(None, base, None)
             offsets = (*ao, *pto, *rko, *bo, *bs, *pto_b, *sco)
             for launch in self.one:
                 launch(*fused_args(x, a0, self.v, y, bt0, p0.page_table, _expand_table(p0), p0.ranks, p0.scales,
                                    meta, offsets))  # fmt: skip
             return y
-        self.shrink(*shrink_args(x, a0, self.v, p0.page_table, p0.ranks, meta, (*ao, *pto, *rko)))
+        shrink_beside(
+            lambda: self.shrink(
+                *shrink_args(x, a0, self.v, p0.page_table, p0.ranks, meta, (*ao, *pto, *rko))
+            ),
+            base,
+            side,
+        )
         offsets = (*bo, *bs, *pto_b, *rko, *sco)
         self.expand(
             *expand_args(y, self.v, bt0, _expand_table(p0), p0.ranks, p0.scales, meta, offsets=offsets)
@@ -185,21 +217,23 @@ def _expand_table(pool) -> torch.Tensor:
 
 
 def lora_apply_pools_triton(y, x, pools, modules, starts, layer: int, meta: LoRABatchMeta, cfg: LaunchConfig,
-                            plans: dict | None = None, key=None) -> torch.Tensor:  # fmt: skip
+                            plans: dict | None = None, key=None, base=None, side=None) -> torch.Tensor:  # fmt: skip
     """``PoolsPlan`` launches (kept in ``plans`` under ``key``), with the same fallback to smaller tiles
     as ``lora_apply_triton`` when a first compile runs out of shared memory."""
     plan = plans.get(key) if plans is not None else None
     if plan is not None:
-        return plan.run(y, x, pools, modules, layer, meta)
+        return plan.run(y, x, pools, modules, layer, meta, base, side)
     plan = PoolsPlan(y, x, pools, modules, starts, layer, meta, cfg)
     try:
-        plan.run(y, x, pools, modules, layer, meta)
+        plan.run(y, x, pools, modules, layer, meta, base, side)
     except OutOfResources:
         if plan.cfg.num_stages <= 2 and plan.cfg.block_k <= 32:
             raise
         smaller = dataclasses.replace(plan.cfg, num_stages=2, block_k=max(32, plan.cfg.block_k // 2))
         _FALLBACK[cfg] = _FALLBACK[plan.cfg] = smaller
-        return lora_apply_pools_triton(y, x, pools, modules, starts, layer, meta, smaller, plans, key)
+        return lora_apply_pools_triton(
+            y, x, pools, modules, starts, layer, meta, smaller, plans, key, base, side
+        )
     if plans is not None:
         plans[key] = plan
     return y

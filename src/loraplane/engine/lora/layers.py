@@ -66,16 +66,31 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.state.merged and self.merged_weight is not None:  # the adapter is inside the weights
             return F.linear(x, self.merged_weight, self.base_layer.bias)
-        y = self.base_layer(x)  # [T, out_total]
         metas, pools = self.state.metas, self.state.pools
         live = [(module, c0, c1) for module, c0, c1 in self.slices if metas[module] is not None]
+        if not live:
+            return self.base_layer(x)
+        y, base = self._base_output(x, metas[live[0][0]].capture)
         if len(live) > 1 and all(metas[m] is metas[live[0][0]] for m, _, _ in live):
             # One shrink and one expand launch for q, k, v (gate, up): they share x and the step's metadata.
             targets = [(pools[m], m, c0) for m, c0, _ in live]
-            return lora_apply_many(y, x, targets, self.layer, metas[live[0][0]])
+            return lora_apply_many(y, x, targets, self.layer, metas[live[0][0]], base=base)
         for module, c0, c1 in live:  # metas[module] None: no token of this step has this module
-            lora_apply(y[:, c0:c1], x, pools[module], self.layer, module, metas[module])
+            lora_apply(y[:, c0:c1], x, pools[module], self.layer, module, metas[module], base=base)
+            base = None
         return y
+
+    def _base_output(self, x: torch.Tensor, captured: bool):
+        """(y, None) with y the base output; or, in a captured (decode graph) step on a plain nn.Linear, an
+        empty y and the GEMM that fills it, for the kernels to run beside the shrink (kernels/overlap.py)."""
+        base_layer = self.base_layer
+        if not (captured and x.is_cuda and x.dim() == 2 and type(base_layer) is nn.Linear):
+            return base_layer(x), None  # [T, out_total]
+        y = x.new_empty((x.shape[0], base_layer.out_features))  # [T, out_total]
+        w, b = base_layer.weight, base_layer.bias
+        if b is None:
+            return y, lambda: torch.mm(x, w.t(), out=y)
+        return y, lambda: torch.addmm(b, x, w.t(), out=y)
 
 
 def wrap_model(model: nn.Module, state: LoRAStepState) -> None:
