@@ -22,11 +22,15 @@ __all__ = ["beside_stream", "shrink_beside"]
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
 
-def beside_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream of ``device`` (one per device, made on first use)."""
+def beside_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The side stream of ``device`` (one per device, made on first use outside a graph capture); None when
+    first asked for inside a capture, where a stream cannot be made: that launch runs on one stream. (The
+    engine's graphs run a warm-up step before each capture, which makes it.)"""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _SIDE.get(index)
     if stream is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
         stream = _SIDE[index] = torch.cuda.Stream(device=index)
     return stream
 
