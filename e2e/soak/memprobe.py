@@ -2,7 +2,7 @@
 again, the operator's RSS read after each replacement has settled (and, with ``--trace``, a tracemalloc diff
 dumped by the operator itself: ``operator/memtrace.py``).
 
-    python -m e2e.soak.memprobe --replacements 12 --out DIR [--trace]
+    python -m e2e.soak.memprobe --replacements 12 --out DIR [--trace] [--env K=V ...]
 
 ``DIR/probe.json``: RSS and fds of the operator after each replacement; ``DIR/trace.txt``: the diffs.
 """
@@ -53,10 +53,22 @@ def _replace(stack, expected: dict[str, str], bound: float) -> float:
     return round(time.monotonic() - began, 1)
 
 
-def probe(out: Path, workdir: Path, replacements: int, settle_s: float, trace: bool, adapters: int) -> dict:
+def _rss_split(pid: int) -> dict[str, float]:
+    """RssAnon (the heaps: what fragmentation or a leak grows) and RssFile (mapped code and files) in MiB."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return {}
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    return {f"{key.lower()}_mib": round(int(fields[key].split()[0]) / 1024, 2)
+            for key in ("RssAnon", "RssFile") if key in fields}  # fmt: skip
+
+
+def probe(out: Path, workdir: Path, replacements: int, settle_s: float, trace: bool, adapters: int,
+          extra: dict[str, str]) -> dict:  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)
     trace_file = out / "trace.txt"
-    env = {"LORAPLANE_TRACEMALLOC": str(trace_file)} if trace else {}
+    env = {**extra, "LORAPLANE_TRACEMALLOC": str(trace_file)} if trace else dict(extra)
     rows = []
     with started_stack(workdir, env=env) as stack:
         wait_operator_ready(stack)
@@ -73,10 +85,11 @@ def probe(out: Path, workdir: Path, replacements: int, settle_s: float, trace: b
                 os.kill(pid, signal.SIGUSR1)
                 time.sleep(3)
             sample = proc_sample(pid) or {}
-            rows.append({"replacement": k, "converged_s": took, "rss_mib": round(sample.get("rss", 0) / 2**20, 2),
+            rss_mib = round(sample.get("rss", 0) / 2**20, 2)
+            rows.append({"replacement": k, "converged_s": took, "rss_mib": rss_mib, **_rss_split(pid),
                          "fds": sample.get("fds"), "threads": sample.get("threads"), "cpu_s": sample.get("cpu_s")})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
-    report = {"rows": rows, "trace": str(trace_file) if trace else None}
+    report = {"rows": rows, "env": extra, "trace": str(trace_file) if trace else None}
     (out / "probe.json").write_text(json.dumps(report, indent=1))
     return report
 
@@ -87,10 +100,18 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=25.0, help="seconds after each convergence")
     parser.add_argument("--adapters", type=int, default=20)
     parser.add_argument("--trace", action="store_true", help="the operator dumps tracemalloc diffs")
+    parser.add_argument("--env", action="append", default=[], metavar="K=V",
+                        help="more environment for every Pod's process, e.g. MALLOC_ARENA_MAX=2 (repeatable)")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
+    extra = {}
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--env: expected K=V, got {item!r}")
+        extra[key] = value
     with tempfile.TemporaryDirectory(prefix="memprobe-") as workdir:
-        probe(args.out, Path(workdir), args.replacements, args.settle, args.trace, args.adapters)
+        probe(args.out, Path(workdir), args.replacements, args.settle, args.trace, args.adapters, extra)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The operator's malloc policy: a 256 KiB block (asyncio's read buffer, a TLS connection's buffer) is mapped on
-its own and unmapped when freed, every time, not only until glibc has seen the first one freed."""
+its own and unmapped when freed, every time, not only until glibc has seen the first one freed; the threads
+share two malloc arenas."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+
+from loraplane.operator.allocator import cap_arenas, release_large_blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -57,3 +60,63 @@ def test_without_the_policy_glibc_moves_them_into_the_heap():
     """The behaviour the policy exists for (the probe above can fail): after one 256 KiB block is freed, the
     next comes from the heap, where a burst of them raises a high-water mark that small objects then pin."""
     assert mapped_on_its_own("default") == 0
+
+
+class NoMallopt:
+    """A C library without ``mallopt`` (macOS): nothing to set."""
+
+
+def test_without_mallopt_nothing_is_set():
+    assert not cap_arenas(libc=NoMallopt())
+    assert not release_large_blocks(libc=NoMallopt())
+
+
+def test_cap_arenas_rejects_fewer_than_one():
+    with pytest.raises(ValueError, match="arenas"):
+        cap_arenas(0)
+
+
+# In a fresh interpreter: 8 threads alive at once, each holding blocks from glibc's malloc (over 512 B, past
+# Python's own allocator); malloc_stats() then prints one "Arena N:" line per arena, to stderr.
+ARENAS_PROBE = """
+import ctypes, os, sys, threading
+from loraplane.operator.allocator import cap_arenas
+
+if sys.argv[1] == "capped":
+    assert cap_arenas(2)
+THREADS = 8
+barrier = threading.Barrier(THREADS + 1)
+held = []
+
+def work():
+    held.append([bytearray(4096) for _ in range(64)])
+    barrier.wait()  # all alive, each with its blocks
+    barrier.wait()  # counted
+
+threads = [threading.Thread(target=work) for _ in range(THREADS)]
+for t in threads:
+    t.start()
+barrier.wait()
+ctypes.CDLL(None).malloc_stats()
+barrier.wait()
+for t in threads:
+    t.join()
+"""
+
+
+def arenas(mode: str) -> int:
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
+    out = subprocess.run([sys.executable, "-c", ARENAS_PROBE, mode], env=env, capture_output=True, text=True,
+                         timeout=60, check=True)  # fmt: skip
+    return sum(line.startswith("Arena ") for line in out.stderr.splitlines())
+
+
+@glibc
+def test_threads_share_the_capped_arenas():
+    assert arenas("capped") == 2
+
+
+@glibc
+def test_without_the_cap_each_thread_gets_an_arena():
+    """What the cap is for (the probe above can fail): glibc gives threads up to 8 arenas per core."""
+    assert arenas("default") > 2

@@ -8,6 +8,16 @@ the new pod and posts an Event, kopf opening a connection per Event in flight), 
 among them pin the heap's high-water mark: the operator's RSS rose a step of 0.1-2 MiB at every pod
 replacement and never came down, although no Python object outlived the burst. With the threshold pinned,
 those blocks are mapped and unmapped each time, and RSS follows the connections open at the moment.
+
+The threads share two malloc arenas. glibc gives each thread that allocates an arena of its own, up to 8 per
+core, and an arena keeps what its thread freed mapped for its next allocations: the operator's 30 threads (the
+reconcile calls' 16, the Event lane's, kopf's) would hold that slack 16 times over. With 2
+(``e2e/soak/memprobe.py``, 10 replacements of the one server Pod; ``e2e/soak/results/README.md``) RSS was
+1.2-1.5 MiB lower from the start and stayed about 0.8 MiB lower after 10 replacements; the growth per
+replacement after the second (0.08 and 0.11 MiB, against 0.12 without the cap) is within the spread between
+runs. A periodic ``malloc_trim(0)`` (0.11) and ``PYTHONMALLOC=malloc`` (5 MiB more from the start) did no
+better. What grows is mostly outside glibc's heaps (``/proc/PID/smaps``: in anonymous mappings of CPython's
+1 MiB arena size), where no glibc setting reaches.
 """
 
 from __future__ import annotations
@@ -20,16 +30,38 @@ log = logging.getLogger(__name__)
 # mallopt parameters (glibc's malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 LARGE_BLOCK = 128 * 1024  # glibc's default threshold, pinned: setting it turns the dynamic adjustment off
 TRIM_AT = 128 * 1024  # free memory at the heap's top above this is returned (the default, unless raised)
+ARENAS = 2  # glibc's default is 8 per core; the operator's 30 threads would each come to have one
 
 
-def release_large_blocks() -> bool:
+def cap_arenas(arenas: int = ARENAS, libc=None) -> bool:
+    """At most ``arenas`` malloc arenas for the process's threads; call before threads start (an arena
+    made already stays). True when set; False where the C library has no ``mallopt`` or no such parameter
+    (musl answers 0)."""
+    if arenas < 1:
+        raise ValueError(f"arenas: must be at least 1, got {arenas}")
+    mallopt = getattr(_libc() if libc is None else libc, "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt(M_ARENA_MAX, arenas) == 1
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def release_large_blocks(libc=None) -> bool:
     """Pin glibc's mmap and trim thresholds. True when set; False where the C library has no ``mallopt``
     (musl answers 0, macOS has none): those allocators have no dynamic threshold to pin."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
+    mallopt = getattr(_libc() if libc is None else libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int

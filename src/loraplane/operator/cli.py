@@ -133,6 +133,7 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
+    allocator.cap_arenas()  # before kopf starts its threads: each would get an arena of its own
     allocator.release_large_blocks()  # else RSS ratchets up at every burst of connections
     memtrace.install_from_env()  # off unless LORAPLANE_TRACEMALLOC names a file
     if args.metrics_port:
