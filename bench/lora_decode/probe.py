@@ -185,6 +185,11 @@ def variants(op: str, base) -> list[tuple[str, object]]:
         ("warps=2", lambda c: rep(c, num_warps=2)),
         ("warps=8", lambda c: rep(c, num_warps=8)),
         ("block_n=128", lambda c: rep(c, block_n=128, n_chunk=max(128, c.n_chunk))),
+        # Wider column tiles: more bytes of B in flight per iteration (a one-token tile moves 2 KB of a
+        # r16 B^T per 64 columns), for the expands that stream at half the copy rate.
+        ("block_n=256", lambda c: rep(c, block_n=256, n_chunk=max(256, c.n_chunk))),
+        ("block_n=256 warps=8", lambda c: rep(c, block_n=256, n_chunk=max(256, c.n_chunk), num_warps=8)),
+        ("block_n=512 warps=8", lambda c: rep(c, block_n=512, n_chunk=max(512, c.n_chunk), num_warps=8)),
         (
             "block_k=256" if base.block_k < 256 else "block_k=128",
             lambda c: rep(c, block_k=256 if c.block_k < 256 else 128),
