@@ -15,7 +15,7 @@ for _path in (Path(__file__).resolve().parents[1], Path(__file__).resolve().pare
         sys.path.insert(0, str(_path))
 
 from adapter_factory import make_base_folder, make_keys  # noqa: E402
-from s3_servers import SeaweedUnavailable, moto_server, seaweedfs_server  # noqa: E402
+from s3_servers import FaultProxy, SeaweedUnavailable, moto_server, seaweedfs_server  # noqa: E402
 
 from loraplane.artifacts.base_hash import compute_base_hash  # noqa: E402
 from loraplane.artifacts.s3 import RetryPolicy  # noqa: E402
@@ -65,3 +65,17 @@ def seaweedfs(tmp_path_factory):
             yield endpoint
     except SeaweedUnavailable as exc:
         pytest.skip(f"SeaweedFS cannot run here: {exc}")
+
+
+@pytest.fixture(scope="module")
+def proxy(moto):
+    """A FaultProxy in front of moto, one per test module (the host-cache tests count the GETs it sees)."""
+    with FaultProxy(moto.url) as p:
+        yield p
+
+
+@pytest.fixture
+def client(moto, proxy):
+    """A boto3 client through the module's proxy, its faults and counts reset."""
+    proxy.reset()
+    return moto.client(url=proxy.url)

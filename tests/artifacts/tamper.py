@@ -43,3 +43,8 @@ def assert_cache_holds_only_verified(root: Path, trusted_keys: dict) -> None:
         )
     leftovers = [e for e in os.listdir(root / "tmp")]
     assert not leftovers, f"tmp/ holds {leftovers}"
+
+
+def pull_from(cache, uri, keys, base_hash, **kw):
+    """``cache.pull`` with the tests' trusted keys and base hash."""
+    return cache.pull(uri, trusted_keys=keys.trusted, expected_base_hash=base_hash, **kw)

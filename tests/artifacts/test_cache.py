@@ -9,8 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from adapter_factory import build_signed_adapter, push_adapter
-from s3_servers import FaultProxy
-from tamper import assert_cache_holds_only_verified
+from tamper import assert_cache_holds_only_verified, pull_from
 
 from loraplane.artifacts import errors as E
 from loraplane.artifacts.cache import HostCache
@@ -20,12 +19,6 @@ from loraplane.artifacts.s3blobs import blob_key
 def blob(adapter, name: str = "adapter_model.safetensors") -> str:
     """The URL path's tail of a file's S3 blob (what the proxy counts)."""
     return "/" + blob_key(adapter.manifest.files[name].sha256)
-
-
-@pytest.fixture(scope="module")
-def proxy(moto):
-    with FaultProxy(moto.url) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")
@@ -46,21 +39,11 @@ def adapters(tmp_path_factory, moto, keys, base_dir):
     return out
 
 
-@pytest.fixture
-def client(moto, proxy):
-    proxy.reset()
-    return moto.client(url=proxy.url)
-
-
-def _pull(cache, uri, keys, base_hash, **kw):
-    return cache.pull(uri, trusted_keys=keys.trusted, expected_base_hash=base_hash, **kw)
-
-
 def test_16_parallel_pulls_download_once(tmp_path, client, proxy, adapters, keys, base_hash, retry):
     uri, adapter = adapters["v1"]
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
     with ThreadPoolExecutor(16) as pool:
-        results = list(pool.map(lambda _: _pull(cache, uri, keys, base_hash), range(16)))
+        results = list(pool.map(lambda _: pull_from(cache, uri, keys, base_hash), range(16)))
     assert {r.path for r in results} == {results[0].path}
     assert {r.digest for r in results} == {adapter.digest}
     assert (
@@ -96,7 +79,7 @@ def test_parallel_processes_download_once(tmp_path, client, proxy, adapters, key
 
 def test_versions_share_identical_files(tmp_path, client, adapters, keys, base_hash, retry):
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
-    one, two = (_pull(cache, adapters[v][0], keys, base_hash) for v in ("v1", "v2"))
+    one, two = (pull_from(cache, adapters[v][0], keys, base_hash) for v in ("v1", "v2"))
     assert one.digest != two.digest
     assert os.path.samefile(one.config_path, two.config_path)  # one blob, two hard links
     assert cache.stats()["blobs"] == 3
@@ -107,18 +90,18 @@ def test_lru_eviction_respects_pins_and_in_use(tmp_path, client, adapters, keys,
     config = adapters["v1"][1].manifest.files["adapter_config.json"].size
     budget = config + 2 * weights + 100  # room for two versions, not three
     cache = HostCache(tmp_path / "cache", budget, client, retry=retry)
-    v1, v2 = (_pull(cache, adapters[v][0], keys, base_hash) for v in ("v1", "v2"))
-    _pull(cache, adapters["v1"][0], keys, base_hash)  # v1 is now more recently used than v2
-    v3 = _pull(cache, adapters["v3"][0], keys, base_hash)
+    v1, v2 = (pull_from(cache, adapters[v][0], keys, base_hash) for v in ("v1", "v2"))
+    pull_from(cache, adapters["v1"][0], keys, base_hash)  # v1 is now more recently used than v2
+    v3 = pull_from(cache, adapters["v3"][0], keys, base_hash)
     assert {e["version"] for e in cache.entries()} == {"v1", "v3"}
     assert not v2.path.exists() and v1.path.exists()
 
     cache.pin(v1.digest)
     with cache.in_use(v3.digest):
         with pytest.raises(E.ArtifactError) as err:
-            _pull(cache, adapters["v2"][0], keys, base_hash)
+            pull_from(cache, adapters["v2"][0], keys, base_hash)
         assert err.value.reason == E.CACHE_FULL
-    _pull(cache, adapters["v2"][0], keys, base_hash)  # v3 is idle again: it goes, pinned v1 stays
+    pull_from(cache, adapters["v2"][0], keys, base_hash)  # v3 is idle again: it goes, pinned v1 stays
     assert {e["version"] for e in cache.entries()} == {"v1", "v2"}
     assert cache.used_bytes() <= budget
     cache.unpin(v1.digest)
@@ -132,7 +115,7 @@ def test_in_use_is_respected_across_caches_of_other_processes(
     weights = adapters["v1"][1].manifest.files["adapter_model.safetensors"].size
     config = adapters["v1"][1].manifest.files["adapter_config.json"].size
     holder = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
-    v1 = _pull(holder, adapters["v1"][0], keys, base_hash, acquire=True)
+    v1 = pull_from(holder, adapters["v1"][0], keys, base_hash, acquire=True)
     other = HostCache(
         tmp_path / "cache", config + weights + 100, client, retry=retry
     )  # another process's view
@@ -146,14 +129,14 @@ def test_corrupt_entry_is_evicted_and_fetched_again(
 ):
     uri, adapter = adapters["v1"]
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
-    local = _pull(cache, uri, keys, base_hash)
+    local = pull_from(cache, uri, keys, base_hash)
     os.chmod(local.weights_path, 0o644)
     with open(local.weights_path, "r+b") as f:  # bit rot in place (the blob is the same inode)
         f.seek(-1, os.SEEK_END)
         byte = f.read(1)
         f.seek(-1, os.SEEK_END)
         f.write(bytes([byte[0] ^ 1]))
-    again = _pull(cache, uri, keys, base_hash)
+    again = pull_from(cache, uri, keys, base_hash)
     assert again.weights_path.read_bytes() == (adapter.folder / "adapter_model.safetensors").read_bytes()
     assert proxy.count("GET", blob(adapter)) == 2
     assert cache.stats()["corrupt_evictions"] == 1
@@ -163,9 +146,9 @@ def test_corrupt_entry_is_evicted_and_fetched_again(
 def test_pinned_digest_already_cached_needs_no_s3(tmp_path, client, proxy, adapters, keys, base_hash, retry):
     uri, adapter = adapters["v1"]
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
-    _pull(cache, uri, keys, base_hash)
+    pull_from(cache, uri, keys, base_hash)
     proxy.reset()
-    local = _pull(cache, uri, keys, base_hash, pinned_digest=adapter.digest)
+    local = pull_from(cache, uri, keys, base_hash, pinned_digest=adapter.digest)
     assert local.digest == adapter.digest
     assert sum(proxy.requests.values()) == 0
 
@@ -174,7 +157,7 @@ def test_cached_entry_still_checked_against_caller_policy(tmp_path, client, adap
     """A cached adapter is not served to a caller whose base or trust differs: re-verified on every pull."""
     uri, adapter = adapters["v1"]
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
-    _pull(cache, uri, keys, base_hash)
+    pull_from(cache, uri, keys, base_hash)
     for kwargs, reason in [
         ({"expected_base_hash": "e" * 64}, E.BASE_MISMATCH),
         ({"trusted_keys": {"0" * 16: keys.public_pem}}, E.UNKNOWN_KEY),
@@ -190,15 +173,15 @@ def test_cached_entry_still_checked_against_caller_policy(tmp_path, client, adap
 def test_damaged_cached_signature_is_refetched(tmp_path, client, proxy, adapters, keys, base_hash, retry):
     uri, adapter = adapters["v2"]
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
-    local = _pull(cache, uri, keys, base_hash)
+    local = pull_from(cache, uri, keys, base_hash)
     (local.path / "loraplane-manifest.sig").unlink()
-    again = _pull(cache, uri, keys, base_hash, pinned_digest=adapter.digest)
+    again = pull_from(cache, uri, keys, base_hash, pinned_digest=adapter.digest)
     assert (again.path / "loraplane-manifest.sig").is_file()
     assert cache.stats()["corrupt_evictions"] == 1
     assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
 
 
-def test_a_pull_killed_with_kill_9_is_cleaned_up_at_the_next_pull(
+def test_a_pull_killed_with_kill_9_is_cleaned_up_at_the_nextpull_from(
     tmp_path, client, proxy, adapters, keys, base_hash
 ):
     """The killed pull's .part and build folder go when any pull starts, not an hour later."""
@@ -227,8 +210,8 @@ def test_a_pull_killed_with_kill_9_is_cleaned_up_at_the_next_pull(
         child.join(10)
     assert sorted(p.name for p in (root / "tmp").iterdir()) == left, "nothing cleans up before the next pull"
     proxy.reset()
-    _pull(cache, adapters["v1"][0], keys, base_hash)  # another adapter's pull starts: the sweep runs
+    pull_from(cache, adapters["v1"][0], keys, base_hash)  # another adapter's pull starts: the sweep runs
     assert list((root / "tmp").iterdir()) == []
     assert cache.counters["swept"] == 2
-    _pull(cache, adapters["v3"][0], keys, base_hash)  # and the killed pull's adapter now pulls cleanly
+    pull_from(cache, adapters["v3"][0], keys, base_hash)  # and the killed pull's adapter now pulls cleanly
     assert_cache_holds_only_verified(root, keys.trusted)

@@ -8,19 +8,12 @@ import os
 
 import pytest
 from adapter_factory import build_signed_adapter, push_adapter
-from s3_servers import FaultProxy
-from tamper import assert_cache_holds_only_verified
+from tamper import assert_cache_holds_only_verified, pull_from
 
 from loraplane.artifacts.cache import HostCache
 from loraplane.artifacts.s3blobs import blob_key
 
 WEIGHTS = "adapter_model.safetensors"
-
-
-@pytest.fixture(scope="module")
-def proxy(moto):
-    with FaultProxy(moto.url) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")
@@ -35,16 +28,6 @@ def twins(tmp_path_factory, moto, keys, base_dir):
     return out
 
 
-@pytest.fixture
-def client(moto, proxy):
-    proxy.reset()
-    return moto.client(url=proxy.url)
-
-
-def _pull(cache, uri, keys, base_hash, **kw):
-    return cache.pull(uri, trusted_keys=keys.trusted, expected_base_hash=base_hash, **kw)
-
-
 def _weights_gets(proxy, adapter) -> int:
     return proxy.count("GET", "/" + blob_key(adapter.manifest.files[WEIGHTS].sha256))
 
@@ -54,16 +37,16 @@ def test_a_blob_this_process_verified_is_not_hashed_again(
 ):
     (uri1, a1), (uri2, _) = twins["v1"], twins["v2"]
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
-    one = _pull(cache, uri1, keys, base_hash)
-    two = _pull(cache, uri2, keys, base_hash)  # both its files are cached blobs
-    _pull(cache, uri1, keys, base_hash)  # its folder is cached
+    one = pull_from(cache, uri1, keys, base_hash)
+    two = pull_from(cache, uri2, keys, base_hash)  # both its files are cached blobs
+    pull_from(cache, uri1, keys, base_hash)  # its folder is cached
     assert os.path.samefile(one.weights_path, two.weights_path)
     assert (cache.stats()["downloads"], cache.stats()["hash_passes"]) == (2, 0)
     assert cache.verified_identity(two.weights_path, a1.manifest.files[WEIGHTS].sha256) is not None
 
     other = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)  # another process: no memo
     for uri in (uri2, uri1, uri2):
-        _pull(other, uri, keys, base_hash)
+        pull_from(other, uri, keys, base_hash)
     assert other.stats()["hash_passes"] == 2  # each file once, then remembered
     assert _weights_gets(proxy, a1) == 1
 
@@ -71,11 +54,11 @@ def test_a_blob_this_process_verified_is_not_hashed_again(
 def test_the_memo_is_bounded_least_recently_used_first(tmp_path, client, twins, keys, base_hash, retry):
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
     cache.verified_max = 1
-    one = _pull(cache, twins["v1"][0], keys, base_hash)
+    one = pull_from(cache, twins["v1"][0], keys, base_hash)
     files = list(one.manifest.files.items())  # downloaded (and remembered) in this order
     vouched = [cache.verified_identity(one.path / n, e.sha256) is not None for n, e in files]
     assert vouched == [False, True]
-    _pull(cache, twins["v2"][0], keys, base_hash)  # the first is hashed; remembering it drops the second
+    pull_from(cache, twins["v2"][0], keys, base_hash)  # the first is hashed; remembering it drops the second
     assert cache.stats()["hash_passes"] == 2
 
 
@@ -85,7 +68,7 @@ def test_a_blob_written_after_it_was_verified_is_hashed_and_fetched_again(
     """A write with the mode and mtime put back leaves only the ctime moved: enough to hash it again."""
     (uri1, a1), (uri2, a2) = twins["v1"], twins["v2"]
     cache = HostCache(tmp_path / "cache", 1 << 30, client, retry=retry)
-    one = _pull(cache, uri1, keys, base_hash)
+    one = pull_from(cache, uri1, keys, base_hash)
     blob = tmp_path / "cache" / "blobs" / a1.manifest.files[WEIGHTS].sha256
     assert os.path.samefile(blob, one.weights_path)
     stat = blob.stat()
@@ -99,12 +82,14 @@ def test_a_blob_written_after_it_was_verified_is_hashed_and_fetched_again(
     os.utime(blob, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert blob.stat().st_size == stat.st_size and blob.stat().st_mtime_ns == stat.st_mtime_ns
 
-    two = _pull(cache, uri2, keys, base_hash)  # finds the blob cached, hashes it, evicts it, downloads it
+    two = pull_from(cache, uri2, keys, base_hash)  # finds the blob cached, hashes it, evicts it, downloads it
     assert two.weights_path.read_bytes() == (a2.folder / WEIGHTS).read_bytes()
     assert cache.stats()["hash_passes"] == 1 and cache.stats()["corrupt_evictions"] == 1
     assert _weights_gets(proxy, a1) == 2
 
-    again = _pull(cache, uri1, keys, base_hash)  # its folder still links the written file: hashed, refetched
+    again = pull_from(
+        cache, uri1, keys, base_hash
+    )  # its folder still links the written file: hashed, refetched
     assert again.weights_path.read_bytes() == (a1.folder / WEIGHTS).read_bytes()
     assert cache.stats()["corrupt_evictions"] == 2
     assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
