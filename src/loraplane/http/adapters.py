@@ -73,6 +73,11 @@ class LoadSpec:
     lazy: bool = False  # `warm: "lazy"`: register from the manifest; the first request pulls it
     disk: bool = False  # `warm: "disk"`: pull now, register on the disk tier; the first request loads it
 
+    @property
+    def deferred(self) -> bool:
+        """Not warmed by its PUT (lazy or disk): done once registered, its first request loads it."""
+        return self.lazy or self.disk
+
 
 @dataclass(slots=True)
 class Entry:
@@ -126,12 +131,7 @@ class AdapterRegistry:
             entry.task = asyncio.create_task(self._load(entry), name=f"load {key}")
         elif entry.spec.pin != spec.pin and entry.state in (LOADED, WARM):
             await self.set_pin(spec.name, spec.version, spec.pin)
-        if (
-            (entry.spec.lazy or entry.spec.disk)
-            and not (spec.lazy or spec.disk)
-            and entry.state == LOADED
-            and entry.task.done()
-        ):
+        if entry.spec.deferred and not spec.deferred and entry.state == LOADED and entry.task.done():
             entry.spec = LoadSpec(**{**_fields(spec), "pin": entry.spec.pin})  # asked warm now: warm it up
             entry.task = asyncio.create_task(self._warm_lazy(entry), name=f"warm {key}")
         if entry.task is not None and not entry.task.done():
@@ -165,8 +165,7 @@ class AdapterRegistry:
             self.metrics.loads.inc()
             entry.state = LOADED
             if spec.disk:  # on this node's disk, verified: the first request loads it
-                if self.engine.resolve(spec.name) is None:  # the first version of a name serves at once
-                    await self.engine.set_alias(spec.name, spec.version)
+                await self._serve_if_first(spec)
                 return
             await self._warm(entry)
         except BaseException as exc:
@@ -185,14 +184,19 @@ class AdapterRegistry:
         self._phase(entry, "warm", time.perf_counter() - started)
         if spec.pin and entry.cache_digest is not None:
             self._pin_cache(entry.cache_digest, True)
-        if self.engine.resolve(spec.name) is None:  # the first version of a name serves at once
-            await self.engine.set_alias(spec.name, spec.version)
+        await self._serve_if_first(spec)
         entry.state = WARM
         log.info("adapter ready", extra={"fields": {"adapter": entry.key, "digest": entry.digest,
                                                     "timings": entry.timings}})  # fmt: skip
 
+    async def _serve_if_first(self, spec: LoadSpec) -> None:
+        """The first version of a name serves at once: the alias goes to it when none is set."""
+        if self.engine.resolve(spec.name) is None:
+            await self.engine.set_alias(spec.name, spec.version)
+
     async def _warm_lazy(self, entry: Entry) -> None:
-        """A lazy version asked warm by a later PUT: the engine pulls it (on its loader) and warms it."""
+        """A lazy or disk version asked warm by a later PUT: the engine loads it (a lazy one pulled first, on
+        its loader) and warms it."""
         try:
             await self._warm(entry)
         except BaseException as exc:
@@ -216,8 +220,7 @@ class AdapterRegistry:
         await self.engine.register_remote_adapter(spec.name, spec.version, manifest.digest, remote, pin=spec.pin,
                                                   expected_base_hash=self.engine.info().base_hash)  # fmt: skip
         self.metrics.loads.inc()
-        if self.engine.resolve(spec.name) is None:  # the first version of a name serves at once
-            await self.engine.set_alias(spec.name, spec.version)
+        await self._serve_if_first(spec)
         entry.state = LOADED
 
     def _fetch(self, entry: Entry, loop: asyncio.AbstractEventLoop):

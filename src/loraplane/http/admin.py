@@ -191,7 +191,7 @@ def _add_routes(app: FastAPI, state: ServerState, registry: AdapterRegistry | No
         if entry.state == FAILED and entry.error is not None:
             raise entry.error
         view = _view_of(name, body.version)
-        done = entry.state == WARM or ((spec.lazy or spec.disk) and entry.state == LOADED)
+        done = entry.state == WARM or (spec.deferred and entry.state == LOADED)
         return JSONResponse(view, status_code=200 if done else 202)
 
     def _view_of(name: str, version: str) -> dict:
