@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from loraplane.operator.admin_client import AdminClient, AdminError, LoadRequest, PodAddress
@@ -73,3 +75,37 @@ async def test_refused_and_bad_token(fake):
         assert info.value.reason == "PodUnreachable"
     finally:
         await client.aclose()
+
+
+async def test_a_burst_of_calls_to_one_pod_shares_a_few_connections():
+    """20 calls at once to one pod go over at most ``per_pod`` connections (a new pod's burst of loads)."""
+    open_now, most = 0, 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal open_now, most
+        open_now += 1
+        most = max(most, open_now)
+        try:
+            while await reader.readuntil(b"\r\n\r\n"):
+                await asyncio.sleep(0.02)  # long enough for the burst to pile up
+                body = b'{"status": "ready", "base_hash": ""}'
+                head = f"HTTP/1.1 200 OK\r\nContent-Length: {len(body)}\r\nContent-Type: application/json\r\n\r\n"
+                writer.write(head.encode() + body)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            open_now -= 1
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = AdminClient(connect_timeout=1.0, read_timeout=5.0, per_pod=3)
+    try:
+        at = PodAddress("p", "127.0.0.1", port)
+        answers = await asyncio.gather(*(client.ready(at, "tok") for _ in range(20)))
+        assert [a["status"] for a in answers] == ["ready"] * 20
+        assert most == 3
+    finally:
+        await client.aclose()
+        server.close()

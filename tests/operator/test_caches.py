@@ -113,10 +113,48 @@ async def test_the_pod_watch_drops_a_deleted_pods_listing():
         await ctx.snapshots.get(pod, 60.0, listing)
     memo = kopf.Memo(ctx=ctx)
     labels = {BASE_LABEL: "demo"}
-    pod_event(type="MODIFIED", namespace="ns", name="demo-a", labels=labels, memo=memo, adapters_by_base={})
+    body = _pod_body("demo-a", "10.0.0.1")
+    pod_event(type="MODIFIED", body=body, namespace="ns", name="demo-a", labels=labels, memo=memo,
+              adapters_by_base={})  # fmt: skip
     assert set(ctx.snapshots._taken) == {a, b}, "a pod that changed keeps its listing"
-    pod_event(type="DELETED", namespace="ns", name="demo-a", labels=labels, memo=memo, adapters_by_base={})
+    pod_event(type="DELETED", body=body, namespace="ns", name="demo-a", labels=labels, memo=memo,
+              adapters_by_base={})  # fmt: skip
     assert set(ctx.snapshots._taken) == {b}
+
+
+def _pod_body(name: str, ip: str, ready: str = "True", probed_at: str = "2026-01-01T00:00:00Z") -> dict:
+    return {
+        "metadata": {"name": name, "labels": {BASE_LABEL: "demo"}},
+        "spec": {"containers": [{"name": "server", "ports": [{"name": "admin", "containerPort": 8001}]}]},
+        "status": {
+            "phase": "Running",
+            "podIP": ip,
+            "conditions": [{"type": "ContainersReady", "status": ready, "lastTransitionTime": "t0"}],
+            "containerStatuses": [{"name": "server", "restartCount": 0, "lastProbeTime": probed_at}],
+        },
+    }
+
+
+async def test_pod_events_wake_the_adapters_only_when_what_they_read_changed():
+    """A pod event that changes nothing a pass reads (here a container status's timestamp) wakes nobody; a
+    readiness change, a new pod and a deletion wake the base and each of its adapters."""
+    ctx = Context(kube=None)
+    memo = kopf.Memo(ctx=ctx)
+    labels, adapters = {BASE_LABEL: "demo"}, {("ns", "demo"): ["a1", "a2"]}
+
+    def event(kind: str, body: dict) -> list[str]:
+        ctx._events.clear()
+        pod_event(type=kind, body=body, namespace="ns", name="demo-a", labels=labels, memo=memo,
+                  adapters_by_base=adapters)  # fmt: skip
+        return [key[2] for key, woken in ctx._events.items() if woken.is_set()]
+
+    assert event(None, _pod_body("demo-a", "10.0.0.1", "False")) == ["demo", "a1", "a2"]
+    assert event("MODIFIED", _pod_body("demo-a", "10.0.0.1", "False", "later")) == []
+    assert event("MODIFIED", _pod_body("demo-a", "10.0.0.1", "True")) == ["demo", "a1", "a2"]
+    assert event("MODIFIED", _pod_body("demo-a", "10.0.0.1", "True", "later")) == []
+    assert event("DELETED", _pod_body("demo-a", "10.0.0.1", "True")) == ["demo", "a1", "a2"]
+    assert ctx.pod_prints._seen == {}, "a deleted pod leaves no fingerprint behind"
+    assert event("ADDED", _pod_body("demo-a", "10.0.0.7", "False")) == ["demo", "a1", "a2"]
 
 
 def test_memo_builds_once_and_fingerprints_report_changes_once():

@@ -99,13 +99,21 @@ class AdminClient:
     not httpx: with thousands of adapters, httpx's pool scanned every connection it held on each request and
     response, which was a large part of the operator's CPU.)"""
 
-    def __init__(self, *, connect_timeout: float = 2.0, read_timeout: float = 30.0, connections: int = 72):
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 2.0,
+        read_timeout: float = 30.0,
+        connections: int = 72,
+        per_pod: int = 8,
+    ):
         """``connections``: at most this many open at once (the calls in flight are bounded anyway, by the
-        operator's ``pod_concurrency``)."""
+        operator's ``pod_concurrency``); ``per_pod``: at most this many to one pod, the rest queue for them."""
         self._timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=connect_timeout, sock_read=read_timeout
         )
         self._connections = connections
+        self._per_pod = per_pod
         self._session: aiohttp.ClientSession | None = None  # made in the running loop, on first use
 
     async def aclose(self) -> None:
@@ -115,7 +123,9 @@ class AdminClient:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._connections, keepalive_timeout=KEEPALIVE_S)
+            connector = aiohttp.TCPConnector(
+                limit=self._connections, limit_per_host=self._per_pod, keepalive_timeout=KEEPALIVE_S
+            )
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         return self._session
 

@@ -181,6 +181,9 @@ class Fingerprints(Generic[K]):
         self._seen[key] = fingerprint
         return True
 
+    def forget(self, key: K) -> None:
+        self._seen.pop(key, None)
+
 
 @dataclass(slots=True)
 class StatusEcho:

@@ -42,6 +42,9 @@ class Tunables:
     admin_read_timeout: float = 60.0
     s3_attempts: int = 3
     pod_concurrency: int = 64  # admin calls in flight, operator-wide
+    # connections open to one pod at once: a new pod's burst of loads reuses a few instead of opening one
+    # per adapter (each an allocation burst of buffers and parser state on the operator's side)
+    pod_connections: int = 8
     gate_timeout: float = 600.0  # seconds a pod's readiness gate waits for its adapters (readiness_gate.py)
 
     def __post_init__(self):
@@ -55,8 +58,8 @@ class Tunables:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Tunables.{name} must be > 0")
-        if self.pod_concurrency < 1 or self.s3_attempts < 1:
-            raise ValueError("Tunables.pod_concurrency and s3_attempts must be >= 1")
+        if min(self.pod_concurrency, self.pod_connections, self.s3_attempts) < 1:
+            raise ValueError("Tunables.pod_concurrency, pod_connections and s3_attempts must be >= 1")
 
 
 @dataclass(slots=True)
@@ -70,6 +73,7 @@ class Context:
     s3_clients: Memo = field(default_factory=Memo)  # (endpoint, region, credentials hash) -> boto3 client
     snapshots: Snapshots = field(default_factory=Snapshots)  # PodAddress -> its adapter listing
     fingerprints: Fingerprints = field(default_factory=Fingerprints)  # base key -> what adapters care about
+    pod_prints: Fingerprints = field(default_factory=Fingerprints)  # (namespace, pod) -> its PodInfo
     echo: StatusEcho = field(default_factory=StatusEcho)  # API path -> our last status patch's answer
     failures: Backoff = field(default_factory=Backoff)  # (uid, generation) or (key, "error") -> failures
     quiet: Quiet = field(default_factory=Quiet)  # API path -> what an adapter's last settled pass saw
@@ -84,6 +88,7 @@ class Context:
             connect_timeout=self.tunables.admin_connect_timeout,
             read_timeout=self.tunables.admin_read_timeout,
             connections=self.tunables.pod_concurrency + 8,  # and the readiness gates' listings
+            per_pod=self.tunables.pod_connections,
         )
         self._limit = asyncio.Semaphore(self.tunables.pod_concurrency)
         self._events.clear()

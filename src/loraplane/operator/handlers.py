@@ -145,13 +145,25 @@ def base_event(type, body, namespace, name, memo, adapters_by_base, **_):
 
 
 @kopf.on.event("pods", labels={BASE_LABEL: kopf.PRESENT})
-def pod_event(type, namespace, name, labels, memo, adapters_by_base, **_):
+def pod_event(type, body, namespace, name, labels, memo, adapters_by_base, **_):
+    if not pod_matters(memo.ctx, type, body, namespace, name):
+        return
     base = labels[BASE_LABEL]
-    if type == "DELETED":  # its listing is never asked for again
-        memo.ctx.snapshots.drop_if(lambda address: address.name == name)
     memo.ctx.wake((BASE, namespace, base))
     for adapter in adapters_by_base.get((namespace, base), ()):
         memo.ctx.wake((ADAPTER, namespace, adapter))
+
+
+def pod_matters(ctx, type, body, namespace: str, name: str) -> bool:
+    """Whether a pod's event changes what any pass reads of it (its ``PodInfo``). A pod's life brings a dozen
+    events (scheduling, container statuses, probes' timestamps); each of those woke every adapter of the base,
+    so a replaced pod cost hundreds of passes whose allocations alone raised the operator's memory floor."""
+    key = (namespace, name)
+    if type == "DELETED":  # its listing is never asked for again
+        ctx.snapshots.drop_if(lambda address: address.name == name)
+        ctx.pod_prints.forget(key)
+        return True
+    return ctx.pod_prints.changed(key, pod_info(body))
 
 
 # --- the reconcile loops -----------------------------------------------------------------------------
