@@ -131,6 +131,21 @@ def test_an_event_that_cannot_be_posted_is_logged_not_raised(control_plane, name
     assert len(posted) == 1 and len(posted[0]["message"]) == 1024, "the message is cut to Kubernetes' bound"
 
 
+def test_a_burst_of_api_calls_holds_at_most_api_threads_connections(control_plane, namespace):
+    """Every adapter's status write at once (a replaced pod): the calls share the Kube's few threads, each on
+    its own kept-alive connection, so a burst after the API server closed them makes few TLS handshakes."""
+    _base(control_plane, namespace)
+    with FaultProxy(control_plane) as proxy:
+        kube = Kube(proxy.api_client(pool_size=API_THREADS + EVENT_THREADS))  # as load_api_client sizes it
+
+        async def burst() -> list:
+            return await asyncio.gather(*(kube.get(base_ref(namespace, "demo")) for _ in range(60)))
+
+        assert all(found is not None for found in asyncio.run(burst()))
+        assert proxy.count("GET", "/lorabases/demo") == 60
+        assert proxy.connections <= API_THREADS, f"{proxy.connections} connections for 60 calls at once"
+
+
 def test_a_stalled_event_lane_never_holds_up_a_status_patch(control_plane, namespace):
     """Hundreds of Events posted at once to an API server that stalls them: a status patch still goes through
     at once (the Events have threads of their own), and a stalled Event is given up after its short timeout."""

@@ -10,8 +10,8 @@ replacement and never came down, although no Python object outlived the burst. W
 those blocks are mapped and unmapped each time, and RSS follows the connections open at the moment.
 
 The threads share two malloc arenas. glibc gives each thread that allocates an arena of its own, up to 8 per
-core, and an arena keeps what its thread freed mapped for its next allocations: the operator's 30 threads (the
-reconcile calls' 16, the Event lane's, kopf's) would hold that slack 16 times over. With 2
+core, and an arena keeps what its thread freed mapped for its next allocations: the operator's threads (the
+reconcile calls', the Event lane's, kopf's) would each hold that slack. With 2
 (``e2e/soak/memprobe.py``, 10 replacements of the one server Pod; ``e2e/soak/results/README.md``) RSS was
 1.2-1.5 MiB lower from the start and stayed about 0.8 MiB lower after 10 replacements; the growth per
 replacement after the second (0.08 and 0.11 MiB, against 0.12 without the cap) is within the spread between
