@@ -31,12 +31,11 @@ MERGE_PATCH = "application/merge-patch+json"
 CONFLICT_RETRIES = 8
 # API calls in flight at once: the client blocks a thread per call. The threads are the Kube's own, so its
 # calls never queue behind slow work (S3 reads) in the event loop's default pool of cores + 4 threads.
-# Few, because each is a kept-alive TLS connection that the API server closes after 90 s idle: a burst after
-# a quiet spell (every adapter's status write when a server pod is replaced) reconnects every thread's
-# connection, and each handshake burst raised the operator's RSS for good (glibc heap fragmentation).
-# Measured with the kubernetes client alone (16/8/4 threads, 40 bursts on fresh connections): +2.1, +1.2 and
-# +0.3 MiB, against +0.25 MiB with 16 threads whose connections stay open. Four calls at once still carry
-# thousands of adapters' status writes (e2e/soak/results/README.md, scale).
+# Few, because each keeps a TLS connection alive and the API server closes idle ones: a burst after a quiet
+# spell (every adapter's status write when a server pod is replaced) reconnects every thread's connection,
+# and such handshake bursts raised RSS for good. With the kubernetes client alone, 40 bursts on fresh
+# connections from the third on: +2.1 MiB (16 threads), +1.1 (8), +0.25 (4); +0.27 with 16 threads whose
+# connections stay open (e2e/soak/tlsprobe.py, e2e/soak/results/memprobe/tls-bursts.json).
 API_THREADS = 4
 API_TIMEOUT = 30.0  # seconds one call may take
 SECRET_TTL = 30.0  # seconds a Secret read is reused: a rotated Secret is seen within this
