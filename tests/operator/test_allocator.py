@@ -8,6 +8,7 @@ import pathlib
 import platform
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -120,3 +121,44 @@ def test_threads_share_the_capped_arenas():
 def test_without_the_cap_each_thread_gets_an_arena():
     """What the cap is for (the probe above can fail): glibc gives threads up to 8 arenas per core."""
     assert arenas("default") > 2
+
+
+class _Node:
+    """A self-referencing object: freed only by a garbage collection, never by reference counting."""
+
+    def __init__(self):
+        self.me = self
+
+
+def test_the_collector_frees_a_cycle_that_pythons_own_collections_left():
+    import gc
+    import threading
+    import weakref
+
+    from loraplane.operator.allocator import collect_cycles_every
+
+    stop = threading.Event()
+    gc.disable()  # stands in for the oldest generation's rare collections
+    try:
+        node = _Node()
+        alive = weakref.ref(node)
+        del node
+        assert alive() is not None  # garbage, still allocated
+        thread = collect_cycles_every(0.05, stop)
+        deadline = time.monotonic() + 5
+        while alive() is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert alive() is None
+    finally:
+        stop.set()
+        gc.enable()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
+@pytest.mark.parametrize("seconds", [0, -1, float("nan")])
+def test_the_collector_refuses_a_period_that_is_not_positive(seconds):
+    from loraplane.operator.allocator import collect_cycles_every
+
+    with pytest.raises(ValueError, match="seconds"):
+        collect_cycles_every(seconds)

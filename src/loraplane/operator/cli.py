@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 
+from loraplane.operator.allocator import COLLECT_EVERY_S
 from loraplane.operator.caches import FULL_PASS_EVERY
 from loraplane.operator.context import DEFAULT_DRIFT_INTERVAL, Tunables
 from loraplane.operator.policy import DEFAULT_REGISTRIES, OperatorPolicy
@@ -41,6 +42,8 @@ def tunables_of(args) -> Tunables:
     for flag in ("drift_interval", "full_pass_interval"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
+    if not args.collect_interval >= 0:
+        raise ValueError(f"--collect-interval must be >= 0 seconds, got {args.collect_interval}")
     return Tunables(drift_interval=args.drift_interval, full_pass_interval=args.full_pass_interval)
 
 
@@ -77,6 +80,13 @@ def _parser() -> argparse.ArgumentParser:
         default=FULL_PASS_EVERY,
         help="seconds after which a settled adapter's drift check reads its Secrets, trusted keys and policy "
         "again (quiet checks in between only compare its pods)",
+    )
+    run.add_argument(
+        "--collect-interval",
+        type=float,
+        default=COLLECT_EVERY_S,
+        help="seconds between full garbage collections, which keep bursts of work from ratcheting up the "
+        "process's memory (0: only Python's own collections)",
     )
     policy = run.add_argument_group("policy", "what a LoRABase may ask of the operator (docs/security.md)")
     policy.add_argument(
@@ -135,6 +145,8 @@ def run(args) -> int:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
     allocator.cap_arenas()  # before kopf starts its threads: each would get an arena of its own
     allocator.release_large_blocks()  # else RSS ratchets up at every burst of connections
+    if args.collect_interval:
+        allocator.collect_cycles_every(args.collect_interval)
     memtrace.install_from_env()  # off unless LORAPLANE_TRACEMALLOC names a file
     if args.metrics_port:
         from prometheus_client import start_http_server
