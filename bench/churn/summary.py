@@ -52,7 +52,7 @@ def summarize(rows: list[dict], floors: dict, b) -> dict:
 def report(rows: list[dict], floors: dict, b) -> dict:
     summary = summarize(rows, floors, b)
     return {
-        "title": "Adapter churn: Llama-3-8B-shaped, random bf16 weights and adapters, one H200",
+        "title": "Adapter churn: Llama-3-8B-shaped, random bf16 weights and adapters, one GPU",
         "columns": [
             "case",
             "ttft_ms",
