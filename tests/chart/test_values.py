@@ -37,6 +37,7 @@ CHANGES: dict[str, tuple[object, dict]] = {
     "operator.logLevel": ("info", {}),
     "operator.driftCheckIntervalSeconds": (120, {}),
     "operator.fullPassIntervalSeconds": (120, {}),
+    "operator.collectIntervalSeconds": (0, {}),
     "operator.healthPort": (8081, {}),
     "metrics.port": (9191, {}),
     "routing.gatewayInferenceExtension.enabled": (True, {}),
