@@ -82,7 +82,9 @@ async def decode_under_loads(
             after, a0, a1, _ = await measured(None, case)
             mid_b, mid, mid_a = (b0 + b1) / 2, (t0 + t1) / 2, (a0 + a1) / 2
             reference = before + (after - before) * (mid - mid_b) / (mid_a - mid_b)
-            ratio = tok_s / reference if reference else None
+            # A bracket with no token means the background batch ended (max_tokens) around the window: no
+            # reference then, rather than a rate interpolated towards zero.
+            ratio = tok_s / reference if before and after else None
             around = {
                 "no_loads_before_tok_s": before,
                 "no_loads_after_tok_s": after,
