@@ -156,7 +156,7 @@ def test_the_collector_frees_a_cycle_that_pythons_own_collections_left():
     assert not thread.is_alive()
 
 
-@pytest.mark.parametrize("seconds", [0, -1, float("nan")])
+@pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf")])
 def test_the_collector_refuses_a_period_that_is_not_positive(seconds):
     from loraplane.operator.allocator import collect_cycles_every
 

@@ -44,7 +44,10 @@ def test_a_negative_collect_interval_is_refused_naming_the_flag(capsys):
     assert cli._parser().parse_args(["run", "-n", "a", "--collect-interval", "0"]).collect_interval == 0.0
     with pytest.raises(SystemExit):
         cli.main(["run", "-n", "a", "--collect-interval", "-1"])
-    assert "--collect-interval must be >= 0 seconds, got -1.0" in capsys.readouterr().err
+    assert "--collect-interval must be >= 0 seconds and finite, got -1.0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["run", "-n", "a", "--collect-interval", "inf"])
+    assert "--collect-interval must be >= 0 seconds and finite, got inf" in capsys.readouterr().err
 
 
 def test_console_script_dispatches_here(tmp_path, capsys):

@@ -34,6 +34,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import logging
+import math
 import threading
 import time
 
@@ -45,7 +46,7 @@ M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 LARGE_BLOCK = 128 * 1024  # glibc's default threshold, pinned: setting it turns the dynamic adjustment off
 TRIM_AT = 128 * 1024  # free memory at the heap's top above this is returned (the default, unless raised)
-COLLECT_EVERY_S = 15.0  # a Pod replacement's burst lasts about as long; a full pass takes milliseconds
+COLLECT_EVERY_S = 15.0  # about a Pod replacement's burst; a full pass takes tens of milliseconds
 ARENAS = 2  # glibc's default is 8 per core; the operator's 30 threads would each come to have one
 
 
@@ -88,8 +89,8 @@ def collect_cycles_every(
     seconds: float = COLLECT_EVERY_S, stop: threading.Event | None = None
 ) -> threading.Thread:
     """Start a daemon thread that runs a full garbage collection every ``seconds`` until ``stop`` is set."""
-    if not seconds > 0:
-        raise ValueError(f"seconds: must be > 0, got {seconds}")
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"seconds: must be > 0 and finite, got {seconds}")
     stop = stop or threading.Event()
 
     def collect() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 
@@ -42,8 +43,8 @@ def tunables_of(args) -> Tunables:
     for flag in ("drift_interval", "full_pass_interval"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0 seconds, got {getattr(args, flag)}")
-    if not args.collect_interval >= 0:
-        raise ValueError(f"--collect-interval must be >= 0 seconds, got {args.collect_interval}")
+    if not 0 <= args.collect_interval < math.inf:
+        raise ValueError(f"--collect-interval must be >= 0 seconds and finite, got {args.collect_interval}")
     return Tunables(drift_interval=args.drift_interval, full_pass_interval=args.full_pass_interval)
 
 
