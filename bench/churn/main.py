@@ -59,7 +59,7 @@ BACKGROUND = 64  # the full decode batch of other tenants (8 with --quick)
 sys.path.insert(0, str(HERE))
 from peft_anchor import peft_row  # noqa: E402
 from probes import StepClock, triton_compiled  # noqa: E402
-from resident import _dump, _profiler, decode_under_loads  # noqa: E402
+from resident import decode_under_loads, dump_profile, start_profile  # noqa: E402
 from summary import report  # noqa: E402
 from workload import (  # noqa: E402
     first_token_ms,
@@ -204,10 +204,10 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
                 stages.append(manager.info(key).timings if key else {})
             if os.environ.get("CHURN_PROFILE"):  # one more sample under torch.profiler, not counted
                 key = await cold(tier)
-                prof = _profiler(f"{label} TTFT {tier}, {state}")
+                prof = start_profile(f"{label} TTFT {tier}, {state}")
                 await first_token_ms(engine, prompt, key)
                 if prof is not None:
-                    _dump(prof, f"{label} TTFT {tier}, {state}")
+                    dump_profile(prof, f"{label} TTFT {tier}, {state}")
             rows.append({"case": f"{label} TTFT {tier}, {state}", "section": "ttft", "tier": tier, "state": state,
                          "ttft_ms": statistics.median(ms), "samples_ms": [round(x, 1) for x in ms],
                          "stages_ms": _median_stages(stages), "sample_steps": steps})  # fmt: skip

@@ -49,7 +49,7 @@ async def decode_under_loads(
 
     async def measured(action, case: str) -> tuple[float, float, float, list[str]]:
         """(tokens/s of the background batch, window start, window end, the keys loaded) over one window."""
-        keys, profiler = [], _profiler(case) if action is not None else None
+        keys, profiler = [], start_profile(case) if action is not None else None
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < window:
             if action is not None:
@@ -57,7 +57,7 @@ async def decode_under_loads(
             await asyncio.sleep(1 / LOADS_PER_S)
         t1 = time.perf_counter()
         if profiler is not None:
-            _dump(profiler, case)
+            dump_profile(profiler, case)
         return sum(t0 <= t < t1 for t in tokens) / (t1 - t0), t0, t1, keys
 
     async def landed(keys: list[str]) -> None:
@@ -104,7 +104,7 @@ async def decode_under_loads(
     return rows
 
 
-def _profiler(case: str):
+def start_profile(case: str):
     """With CHURN_PROFILE=DIR, a torch.profiler over the window of every case (GPU and engine-thread time)."""
     if not os.environ.get("CHURN_PROFILE") or not torch.cuda.is_available():
         return None
@@ -115,7 +115,7 @@ def _profiler(case: str):
     return prof
 
 
-def _dump(prof, case: str) -> None:
+def dump_profile(prof, case: str) -> None:
     torch.cuda.synchronize()
     prof.__exit__(None, None, None)
     out = Path(os.environ["CHURN_PROFILE"])

@@ -157,7 +157,7 @@ def test_the_collector_frees_a_cycle_that_pythons_own_collections_left():
 
 
 @pytest.mark.parametrize("seconds", [0, -1, float("nan"), float("inf")])
-def test_the_collector_refuses_a_period_that_is_not_positive(seconds):
+def test_the_collector_refuses_a_period_that_is_not_positive_and_finite(seconds):
     from loraplane.operator.allocator import collect_cycles_every
 
     with pytest.raises(ValueError, match="seconds"):

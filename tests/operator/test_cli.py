@@ -40,7 +40,7 @@ def test_the_full_pass_interval_reaches_the_quiet_checks(capsys):
     assert "--full-pass-interval must be > 0 seconds, got 0.0" in capsys.readouterr().err
 
 
-def test_a_negative_collect_interval_is_refused_naming_the_flag(capsys):
+def test_a_negative_or_infinite_collect_interval_is_refused_naming_the_flag(capsys):
     assert cli._parser().parse_args(["run", "-n", "a", "--collect-interval", "0"]).collect_interval == 0.0
     with pytest.raises(SystemExit):
         cli.main(["run", "-n", "a", "--collect-interval", "-1"])
