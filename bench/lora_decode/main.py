@@ -115,8 +115,14 @@ def lora_bytes(runner: ModelRunner, adapters) -> int:
 
 # CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default. {"overlap": False}:
 # each shrink after its base GEMM on one stream (the default runs it beside the GEMM, kernels/overlap.py);
-# {"fused": True}: one launch per projection (kernels/triton_fused.py).
-SWEEP = ({"overlap": False}, {})
+# {"fused": True}: one launch per projection (kernels/triton_fused.py); {"decode": True, ...}: the decode-shaped
+# kernels (kernels/triton_decode.py), tiles of several tokens by tl.dot or (decode_dot False) a token at a time.
+SWEEP = (
+    {},
+    {"decode": True},
+    {"decode": True, "decode_dot": False},
+    {"decode": True, "decode_dot": False, "decode_k": 256},
+)
 
 
 def recapture(runner: ModelRunner, sizes: tuple[int, ...]) -> None:

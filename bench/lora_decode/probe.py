@@ -6,7 +6,10 @@ and timed for the decode cases of `main.py` (64 distinct r16, one adapter, 64 q,
 batch), a torch.profiler table of one step's kernels, and a sweep of launch configs per op. Writes
 DIR/probe.json (and prints one line per result).
 
-    python bench/lora_decode/probe.py --out DIR [--budget-s 200]   # src/ importable: scripts/device_env.sh
+    python bench/lora_decode/probe.py --out DIR [--budget-s 200] [--decode]   # src/ importable: scripts/device_env.sh
+
+--decode: the decode-shaped kernels (kernels/triton_decode.py) beside the general ones: the whole step with
+each, and the sweep over their block sizes instead of the general kernels' launch fields.
 """
 
 from __future__ import annotations
@@ -201,6 +204,23 @@ def variants(op: str, base) -> list[tuple[str, object]]:
     return out
 
 
+# The decode kernels' block sizes: input columns per shrink program, output columns per expand program.
+# (k, n, warps, dot): dot False takes every tile a token at a time.
+DECODE_BLOCKS = [
+    (k, n, w, dot) for dot in (True, False) for w in (4, 2) for k, n in ((256, 256), (512, 256), (256, 128), (512, 512), (1024, 512))
+]  # fmt: skip
+
+
+def decode_variants() -> list[tuple[str, object]]:
+    rep = dataclasses.replace
+    return [
+        (f"decode k={k} n={n} w={w} dot={int(dot)}",
+         lambda c, k=k, n=n, w=w, dot=dot: rep(c, decode=True, block_k=k, block_n=n, n_chunk=n, num_warps=w,
+                                               num_stages=1, decode_dot=dot))
+        for k, n, w, dot in DECODE_BLOCKS
+    ]  # fmt: skip
+
+
 def copy_gbs(dev) -> float:
     n = 1 << 30
     src = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -212,6 +232,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=200.0)
+    ap.add_argument("--decode", action="store_true", help="sweep the decode-shaped kernels' block sizes")
     args = ap.parse_args(argv)
     t_start = time.time()
     out = Path(args.out)
@@ -247,10 +268,28 @@ def main(argv=None) -> None:
             res[f"profile_{case}"] = {"error": repr(e)}
         save()
     del gfull
+    if args.decode:  # the same step on the decode-shaped kernels, at the policy's default blocks
+        from loraplane.kernels.launch_config import CapturePolicy
+
+        pol = CapturePolicy(decode=True)
+        dec = {op: (lambda c: dataclasses.replace(c, decode=True, block_k=pol.decode_k, block_n=pol.decode_n,
+                                                  n_chunk=pol.decode_n, num_stages=1)) for op in OPS}  # fmt: skip
+        gdec = graph_of(Step(pools, meta, dev, cfgs=dec))
+        for case, r in reqs.items():
+            meta.build(r, ranks)
+            save({"kind": "step_decode", "case": case, "ms": replay_ms(gdec)})
+        for case in ("d64", "one"):
+            try:
+                res[f"profile_decode_{case}"] = profile(gdec, meta, reqs[case], ranks)
+            except Exception as e:  # noqa: BLE001 - the profile is a diagnostic
+                res[f"profile_decode_{case}"] = {"error": repr(e)}
+            save()
+        del gdec
 
     # Per op: each variant's 32-layer graph timed for every case, round-robin over the ops (variant i of
     # every op, then i + 1), until the time budget runs out.
-    lists = {op: variants(op, full.cfg(op)) for op in OPS}
+    lists = {op: ([("default", None)] + decode_variants()) if args.decode else variants(op, full.cfg(op))
+             for op in OPS}  # fmt: skip
     order = [
         (op, v) for i in range(max(map(len, lists.values()))) for op in OPS for v in lists[op][i : i + 1]
     ]

@@ -33,6 +33,10 @@ class LaunchConfig:
     program covers (a slice whose width it does not divide gets a shorter, masked last chunk). ``fused``: expand computes v itself (no shrink launch; A is re-read once per
     column chunk, so only for tiny batches). ``one_launch``: shrink and expand in one launch, the
     expand by the shrink's programs once their tile's split-K planes are complete (triton_fused.py).
+    ``decode``: the decode-shaped kernels (triton_decode.py): shrink programs of ``block_k`` input columns
+    each (one v plane apiece; ``split_k`` unused), expand programs of ``block_n`` columns (``n_chunk``
+    unused), no loop over either; ``decode_dot``: tiles of several tokens take ``tl.dot`` (else a token at a
+    time).
     """
 
     block_r: int = 16
@@ -43,6 +47,8 @@ class LaunchConfig:
     split_k: int = 1
     fused: bool = False
     one_launch: bool = False
+    decode: bool = False
+    decode_dot: bool = True
     shrink_programs: int = 1024  # upper bound on grid dim 0 x split for shrink
     expand_programs: int = 16384  # upper bound on grid dim 0 x dim 1 for expand
     tile_programs: int = 0  # upper bound on grid dim 0 (programs walk tiles g, g + G, ...); 0: none
@@ -73,6 +79,10 @@ class CapturePolicy:
     programs once their tile's shrink is complete) instead of a shrink and an expand launch.
     ``overlap``: where the caller passes its base GEMM (``lora_apply(..., base=)``), the shrink runs on a
     side stream beside it (``overlap.py``) instead of after it.
+    ``decode``: the decode-shaped kernels (``triton_decode``), with ``decode_k`` input columns per shrink
+    program and ``decode_n`` output columns per expand program (powers of two, >= 16); ``decode_dot``: tiles
+    of several tokens of one adapter take ``tl.dot`` (else the one-token path, a token at a time); ``fused``
+    wins.
     """
 
     tile_programs: int = 0
@@ -81,9 +91,17 @@ class CapturePolicy:
     table: bool = True
     fused: bool = False
     overlap: bool = True
+    decode: bool = False
+    decode_k: int = 512
+    decode_n: int = 256
+    decode_dot: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("table", "fused", "overlap"):
+        for name in ("decode_k", "decode_n"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 16 or v & (v - 1):
+                raise ValueError(f"CapturePolicy.{name} must be a power of two >= 16, got {v!r}")
+        for name in ("table", "fused", "overlap", "decode", "decode_dot"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CapturePolicy.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("tile_programs", "n_chunk", "k_per_program"):
@@ -200,6 +218,11 @@ def pick_config(
             n_chunk *= 2
         if policy.n_chunk:
             n_chunk = max(block_n, min(policy.n_chunk, 2048, widest))
+    if meta.capture and policy.decode and not policy.fused and not prefill:
+        return LaunchConfig(
+            block_r=block_r, shrink_block_r=shrink_block_r, block_k=policy.decode_k, block_n=policy.decode_n,
+            n_chunk=policy.decode_n, decode=True, decode_dot=policy.decode_dot, num_stages=1,
+        )  # fmt: skip
     if meta.capture and policy.table and not policy.n_chunk and meta.capacity >= DECODE_TABLE_MIN_CAPACITY:
         tuned = DECODE_TABLE.get((in_dim, tuple(out_dims)), {})
         block_n = tuned.get("block_n", block_n)

@@ -17,6 +17,7 @@ from triton.runtime.errors import OutOfResources
 from loraplane.kernels.launch_config import LaunchConfig
 from loraplane.kernels.metadata import LoRABatchMeta
 from loraplane.kernels.overlap import shrink_beside
+from loraplane.kernels.triton_decode import decode_expand_launch, decode_shrink_launch
 from loraplane.kernels.triton_fused import fused_args, fused_launch
 from loraplane.kernels.triton_ops import expand_args, expand_launch, shrink_args, shrink_launch
 
@@ -45,6 +46,12 @@ class ApplyPlan:
                                            slice_starts)  # fmt: skip
             self.v = meta.scratch_f32(shape, x.device)
             self.expand = self.one or None
+            return
+        if cfg.decode:  # decode-shaped kernels (triton_decode): same arguments, one round of loads each
+            self.shrink, shape = decode_shrink_launch(x, a, page_table, meta, page_rank, max_rank, cfg)
+            self.v = meta.scratch_f32(shape, x.device)
+            self.expand = decode_expand_launch(y, bt, page_table, out_dims, slice_starts, meta, page_rank, cfg,
+                                               shape[1], shape[0])  # fmt: skip
             return
         if not cfg.fused:
             self.shrink, shape = shrink_launch(x, a, page_table, meta, page_rank, max_rank, cfg)
@@ -163,6 +170,11 @@ class PoolsPlan:
             self.one, shape = fused_launch(x, a0, y, bt0, p0.page_table, meta, p0.page_rank, max_rank, cfg,
                                            widths, tuple(starts), len(pools))  # fmt: skip
             self.shrink, self.expand = None, self.one or None
+        elif cfg.decode:  # decode-shaped kernels (triton_decode)
+            self.shrink, shape = decode_shrink_launch(x, a0, p0.page_table, meta, p0.page_rank, max_rank, cfg,
+                                                      len(pools))  # fmt: skip
+            self.expand = decode_expand_launch(y, bt0, pt_b[0], widths, tuple(starts), meta, p0.page_rank, cfg,
+                                               len(pools), shape[0], pools=True)  # fmt: skip
         else:
             self.shrink, shape = shrink_launch(
                 x, a0, p0.page_table, meta, p0.page_rank, max_rank, cfg, len(pools)

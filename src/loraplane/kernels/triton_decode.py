@@ -1,0 +1,337 @@
+"""Decode-shaped shrink and expand: every program makes one round of loads, none loops over columns.
+
+A decode step's tiles hold one token each when its adapters are distinct (the case that costs most), and
+then the general kernels (triton_kernels.py) spend their time on latency, not bytes: each program walks
+``K_PER_SPLIT / BLOCK_K`` or ``N_CHUNK / BLOCK_N`` dependent iterations of small loads, and pads the one
+token to a 16-row ``tl.dot``. Here the grid covers the work instead:
+
+- shrink: program (tile, slice x K block) reads one [BLOCK_R, BLOCK_K] block of A per rank chunk and
+  writes its partial v to plane ``k`` (the planes are summed by expand, as in the general kernels);
+- expand: program (tile, column block) reads one [BLOCK_R, BLOCK_N] block of B^T per rank chunk and adds
+  into y once.
+
+A one-token tile takes a vector path (multiply and reduce in float32, no 16-row padding); a tile of
+several tokens of one adapter takes ``tl.dot`` (``LaunchConfig.decode_dot``), so that adapter's A and B
+are read once for all of them, or the vector path a token at a time. With the dot path both are in the
+kernel behind a run-time test, since a captured CUDA graph serves any batch.
+Argument lists are the general kernels' (``triton_ops.shrink_args`` / ``expand_args``), so the plans of
+triton_apply.py launch either.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from loraplane.kernels.fast_launch import FastLaunch
+from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least, slice_geometry
+from loraplane.kernels.metadata import LoRABatchMeta
+from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows
+
+__all__ = ["decode_expand_launch", "decode_shrink_launch", "decode_split"]
+
+
+@triton.jit
+def _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, kk, k_mask, a_ptr, a_off, stride_ar, pt, slot, rank,
+                 v_plane, stride_vt, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    # A token at a time: multiply and reduce in float32 (a one-token tile pads nothing).
+    offs_r = tl.arange(0, BLOCK_R)
+    for m in range(0, count):
+        tok = tl.load(order_ptr + start + m).to(tl.int64)
+        xv = tl.load(x_ptr + tok * stride_xt + kk, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
+        for r0 in range(0, rank, BLOCK_R):
+            rr = r0 + offs_r
+            r_mask = rr < rank
+            phys = _rows(pt, slot, rr, r_mask, PAGE, MAX_PAGES)
+            a_blk = a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :]
+            at = tl.load(a_blk, mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]
+            vs = tl.sum(at.to(tl.float32) * xv[None, :], axis=1)  # [BR]
+            tl.store(v_plane + tok * stride_vt + rr, vs, mask=r_mask)
+
+
+@triton.jit
+def _shrink_dot(x_ptr, stride_xt, order_ptr, start, count, k0, K, a_ptr, a_off, stride_ar, pt, slot, rank,
+                v_plane, stride_vt, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    # The tile's tokens together: each block of A is read once for all of them. Input columns
+    # [k0, k0 + BLOCK_K) in DOT_K-column pieces, so that the MMA operands stay small in registers.
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + offs_r
+        r_mask = rr < rank
+        phys = _rows(pt, slot, rr, r_mask, PAGE, MAX_PAGES)
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for q0 in range(0, BLOCK_K, DOT_K):
+            kk = k0 + q0 + tl.arange(0, DOT_K)  # [DK]
+            k_mask = kk < K
+            xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                         other=0.0)  # [BM, DK]  # fmt: skip
+            at = tl.load(a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :],
+                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BR, DK]  # fmt: skip
+            acc = tl.dot(xt, tl.trans(at), acc=acc, input_precision=PRECISION)  # [BM, BR]
+        tl.store(
+            v_plane + tok[:, None] * stride_vt + rr[None, :], acc, mask=m_mask[:, None] & r_mask[None, :]
+        )
+
+
+@triton.jit(do_not_specialize=["tile_bound"])
+def _shrink_decode_kernel(
+    x_ptr, stride_xt, a_ptr, stride_as, stride_ar, v_ptr, stride_vk, stride_vs, stride_vt,
+    tiles_ptr, tile_bound, order_ptr, page_table_ptr, ranks_ptr, K,
+    ao1, ao2, ao3, po1, po2, po3, ro1, ro2, ro3,
+    SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, X_ALIGN: tl.constexpr,
+    A_ALIGN: tl.constexpr, K_ALIGN: tl.constexpr, MULTI: tl.constexpr, DOT: tl.constexpr, DOT_K: tl.constexpr,
+):  # fmt: skip
+    # program (tile, s * SPLIT + k): slice s, input columns [k * BLOCK_K, (k + 1) * BLOCK_K) -> v plane k.
+    # MULTI: slice s from its own pool, at element offsets ao_s (A), po_s (page table), ro_s (ranks).
+    # DOT: tiles of several tokens take tl.dot; else every tile goes a token at a time.
+    stride_xt = _aligned(stride_xt, X_ALIGN)
+    stride_as = _aligned(stride_as, A_ALIGN)
+    stride_ar = _aligned(stride_ar, A_ALIGN)
+    K = _aligned(K, K_ALIGN)
+    tile = tl.program_id(0)
+    s = tl.program_id(1) // SPLIT
+    kb = tl.program_id(1) % SPLIT
+    slot = tl.load(tiles_ptr + tile * 3)
+    start = tl.load(tiles_ptr + tile * 3 + 1)
+    count = tl.load(tiles_ptr + tile * 3 + 2)
+    if MULTI:
+        a_off = _pick_rt(s, 0, ao1, ao2, ao3).to(tl.int64)
+        pt = page_table_ptr + _pick_rt(s, 0, po1, po2, po3)
+        rank = tl.load(ranks_ptr + _pick_rt(s, 0, ro1, ro2, ro3) + slot)
+    else:
+        a_off = s.to(tl.int64) * stride_as
+        pt = page_table_ptr
+        rank = tl.load(ranks_ptr + slot)
+    # count 0: a tile slot past the step's last; rank 0: an adapter without this pool's module
+    if (count > 0) & (rank > 0):
+        kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        k_mask = kk < K
+        v_plane = v_ptr + kb * stride_vk + s * stride_vs
+        if not DOT:
+            _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, kk, k_mask, a_ptr, a_off, stride_ar, pt, slot,
+                         rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
+        elif count == 1:
+            _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, kk, k_mask, a_ptr, a_off, stride_ar, pt, slot,
+                         rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
+        else:
+            _shrink_dot(x_ptr, stride_xt, order_ptr, start, count, kb * BLOCK_K, K, a_ptr, a_off, stride_ar, pt,
+                        slot, rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R, BLOCK_K, DOT_K,
+                        PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _v_sum(v_ptrs, stride_vk, mask, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
+    """The SPLIT partial planes of v at ``v_ptrs`` [BR] (plane 0), summed in float32. One [planes, BR] load
+    spread over the threads and a reduction across them: summing plane by plane kept every plane of the
+    rank chunk in every thread's registers (about 100 more a thread at 8 planes, and a third the programs
+    resident)."""
+    planes = tl.arange(0, SPLIT_P2)
+    ptrs = v_ptrs[None, :] + planes[:, None] * stride_vk
+    return tl.sum(tl.load(ptrs, mask=(planes < SPLIT)[:, None] & mask[None, :], other=0.0), axis=0)
+
+
+@triton.jit
+def _v_sum2(v_ptrs, stride_vk, mask, SPLIT: tl.constexpr):
+    """As ``_v_sum`` for [BM, BR] pointers, plane by plane: a [BM, BR] plane is already spread over the
+    threads (two values each), where a [planes, BM, BR] block would not be."""
+    vs = tl.load(v_ptrs, mask=mask, other=0.0)
+    for k in tl.static_range(1, SPLIT):
+        vs += tl.load(v_ptrs + k * stride_vk, mask=mask, other=0.0)
+    return vs
+
+
+@triton.jit
+def _b_block(b_blk, r_mask, n_ok, RAGGED: tl.constexpr):
+    """[BR, BN] of B^T; only a ragged slice masks columns (unmasked columns load as wide vectors)."""
+    if RAGGED:
+        bt = tl.load(b_blk, mask=r_mask[:, None] & n_ok[None, :], other=0.0)
+    else:
+        bt = tl.load(b_blk, mask=r_mask[:, None], other=0.0)
+    return bt
+
+
+@triton.jit
+def _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
+                 page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
+                 PAGE: tl.constexpr,
+                 MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, RAGGED: tl.constexpr):  # fmt: skip
+    # A token at a time: y[tok, nn] += scale * sum_r v[r] * B^T[r, nn], in float32.
+    offs_r = tl.arange(0, BLOCK_R)
+    for m in range(0, count):
+        tok = tl.load(order_ptr + start + m).to(tl.int64)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            rr = r0 + offs_r
+            r_mask = rr < rank
+            phys = _rows(page_table_ptr, slot, rr, r_mask, PAGE, MAX_PAGES)
+            vs = _v_sum(v_slice + tok * stride_vt + rr, stride_vk, r_mask, SPLIT, SPLIT_P2)  # [BR]
+            bt = _b_block(bt_ptr + phys[:, None] * stride_br + nn[None, :], r_mask, n_ok, RAGGED)  # [BR, BN]
+            acc += tl.sum(bt.to(tl.float32) * vs[:, None], axis=0)
+        y_ptrs = y_ptr + tok * stride_yt + nn + dy
+        if RAGGED:
+            yv = tl.load(y_ptrs, mask=n_ok)
+            tl.store(y_ptrs, (yv.to(tl.float32) + acc * scale).to(yv.dtype), mask=n_ok)
+        else:
+            yv = tl.load(y_ptrs)
+            tl.store(y_ptrs, (yv.to(tl.float32) + acc * scale).to(yv.dtype))
+
+
+@triton.jit
+def _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
+                page_table_ptr, slot, rank, scale, n0, c_end, dy, SPLIT: tl.constexpr, PAGE: tl.constexpr,
+                MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                DOT_N: tl.constexpr, RAGGED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    # The tile's tokens together: each block of B^T is read once for all of them. Columns [n0, n0 + BLOCK_N)
+    # in a loop of DOT_N-column pieces, so that the MMA operands and accumulator stay small in registers
+    # (the whole block at once held 120-250 a thread, and few programs resident).
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < count
+    tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
+    for p0 in range(0, BLOCK_N, DOT_N):
+        nn = n0 + p0 + tl.arange(0, DOT_N)  # [DN]
+        n_ok = nn < c_end
+        acc = tl.zeros((BLOCK_M, DOT_N), dtype=tl.float32)
+        for r0 in range(0, rank, BLOCK_R):
+            rr = r0 + offs_r
+            r_mask = rr < rank
+            phys = _rows(page_table_ptr, slot, rr, r_mask, PAGE, MAX_PAGES)
+            vs = _v_sum2(v_slice + tok[:, None] * stride_vt + rr[None, :], stride_vk,
+                         m_mask[:, None] & r_mask[None, :], SPLIT)  # [BM, BR]  # fmt: skip
+            vs = (vs * scale).to(bt_ptr.dtype.element_ty)  # the scale rides on v, as in _expand_tile
+            bt = _b_block(bt_ptr + phys[:, None] * stride_br + nn[None, :], r_mask, n_ok, RAGGED)  # [BR, DN]
+            acc = tl.dot(vs, bt, acc=acc, input_precision=PRECISION)
+        y_ptrs = y_ptr + tok[:, None] * stride_yt + (nn + dy)[None, :]
+        if RAGGED:
+            y_mask = m_mask[:, None] & n_ok[None, :]
+        else:
+            y_mask = m_mask[:, None]
+        yt = tl.load(y_ptrs, mask=y_mask)
+        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+
+
+@triton.jit(do_not_specialize=["tile_bound"])
+def _expand_decode_kernel(
+    v_ptr, stride_vk, stride_vs, stride_vt, x_ptr, stride_xt, a_ptr, stride_as, stride_ar, K,
+    bt_ptr, stride_br, y_ptr, stride_yt, tiles_ptr, tile_bound, order_ptr, page_table_ptr, ranks_ptr,
+    scales_ptr, bo1, bo2, bo3, bs1, bs2, bs3, po1, po2, po3, ro1, ro2, ro3, so1, so2, so3,
+    NUM_SLICES: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PAGE: tl.constexpr,
+    MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    Y_ALIGN: tl.constexpr, B_ALIGN: tl.constexpr,
+    RAGGED: tl.constexpr, CB1: tl.constexpr, CB2: tl.constexpr, CB3: tl.constexpr,
+    OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
+    END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, END3: tl.constexpr,
+    DY0: tl.constexpr, DY1: tl.constexpr, DY2: tl.constexpr, DY3: tl.constexpr, MULTI: tl.constexpr,
+    DOT: tl.constexpr, DOT_N: tl.constexpr,
+):  # fmt: skip
+    # program (tile, c): column block c, of slice sl (blocks [CB_sl, CB_sl+1)); packed B^T columns
+    # c * BLOCK_N + OFF_sl onwards, up to END_sl; y columns DY_sl further (launch_config.slice_geometry with
+    # n_chunk = BLOCK_N). x, a and K are the general kernel's (unused here). MULTI: as _expand_kernel.
+    stride_yt = _aligned(stride_yt, Y_ALIGN)
+    tile = tl.program_id(0)
+    c = tl.program_id(1)
+    sl = c * 0
+    if NUM_SLICES > 1:
+        sl += (c >= CB1).to(tl.int32)
+    if NUM_SLICES > 2:
+        sl += (c >= CB2).to(tl.int32)
+    if NUM_SLICES > 3:
+        sl += (c >= CB3).to(tl.int32)
+    n0 = c * BLOCK_N + _pick(sl, OFF0, OFF1, OFF2, OFF3)  # the block's first packed column
+    nn = n0 + tl.arange(0, BLOCK_N)  # [BN]
+    c_end = _pick(sl, END0, END1, END2, END3)
+    dy = _pick(sl, DY0, DY1, DY2, DY3)
+    if MULTI:
+        bt_ptr += _pick_rt(sl, 0, bo1, bo2, bo3)
+        stride_br = _pick_rt(sl, stride_br, bs1, bs2, bs3)
+        page_table_ptr += _pick_rt(sl, 0, po1, po2, po3)
+        ranks_ptr += _pick_rt(sl, 0, ro1, ro2, ro3)
+        scales_ptr += _pick_rt(sl, 0, so1, so2, so3)
+    stride_br = _aligned(stride_br, B_ALIGN)
+    slot = tl.load(tiles_ptr + tile * 3)
+    start = tl.load(tiles_ptr + tile * 3 + 1)
+    count = tl.load(tiles_ptr + tile * 3 + 2)
+    rank = tl.load(ranks_ptr + slot)
+    if (count > 0) & (rank > 0):
+        scale = tl.load(scales_ptr + slot)
+        n_ok = nn < c_end  # only ragged slices use it
+        v_slice = v_ptr + sl * stride_vs
+        if not DOT:
+            _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
+                         page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE, MAX_PAGES, BLOCK_R, BLOCK_N,
+                         RAGGED)  # fmt: skip
+        elif count == 1:
+            _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
+                         page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE, MAX_PAGES, BLOCK_R, BLOCK_N,
+                         RAGGED)  # fmt: skip
+        else:
+            _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
+                        page_table_ptr, slot, rank, scale, n0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R,
+                        BLOCK_N, DOT_N, RAGGED, PRECISION)  # fmt: skip
+
+
+def _precision(dtype) -> str:
+    return "ieee" if str(dtype) == "torch.float32" else "tf32"
+
+
+def decode_split(k_dim: int, block_k: int) -> int:
+    """Number of v planes: one per BLOCK_K columns of the input."""
+    return -(-k_dim // block_k)
+
+
+def decode_shrink_launch(x, a, page_table, meta: LoRABatchMeta, page_rank: int, max_rank: int,
+                         cfg: LaunchConfig, pools: int = 0):  # fmt: skip
+    """As ``triton_ops.shrink_launch`` (same run-time arguments, ``shrink_args``): (FastLaunch or None when
+    there is no work, v's shape [split, slices, T, max_rank]). One program per (tile slot, slice, BLOCK_K
+    input columns)."""
+    num_slices, _, k_dim = a.shape
+    if pools:
+        num_slices = pools
+    split = decode_split(k_dim, cfg.block_k)
+    shape = (split, num_slices, x.shape[0], max_rank)
+    bound = meta.capacity if meta.capture else meta.host_num_tiles
+    if not meta.capture and bound == 0:
+        return None, shape
+    constexprs = dict(
+        SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, BLOCK_R=16,
+        BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), X_ALIGN=align_hint(x.stride(0)),
+        A_ALIGN=align_hint(math.gcd(a.stride(0), a.stride(1))), K_ALIGN=align_hint(k_dim), MULTI=bool(pools),
+        DOT=cfg.decode_dot, DOT_K=min(128, cfg.block_k),
+    )  # fmt: skip
+    launch = FastLaunch(_shrink_decode_kernel, (bound, num_slices * split), constexprs,
+                        num_warps=cfg.num_warps, num_stages=1)  # fmt: skip
+    return launch, shape
+
+
+def decode_expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABatchMeta, page_rank: int,
+                         cfg: LaunchConfig, num_slices: int, split: int, pools: bool = False):  # fmt: skip
+    """As ``triton_ops.expand_launch`` (same run-time arguments, ``expand_args``): FastLaunch, or None when
+    there is no work. One program per (tile slot, BLOCK_N columns of one slice)."""
+    if y.stride(1) != 1 or bt.stride(1) != 1:
+        raise ValueError("y and bt must be contiguous along their last dimension")
+    if (bt.shape[1] != (out_dims[0] if pools else sum(out_dims))) or y.shape[1] < max(
+        c + w for c, w in zip(slice_starts, out_dims, strict=True)
+    ):
+        raise ValueError(
+            f"bt [{bt.shape[1]} cols] and y [{y.shape[1]} cols] do not hold slices {out_dims} at {slice_starts}"
+        )
+    bound = meta.capacity if meta.capture else meta.host_num_tiles
+    if not meta.capture and bound == 0:
+        return None
+    packed = (0,) * len(out_dims) if pools else None
+    blocks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.block_n, packed)
+    constexprs = dict(
+        NUM_SLICES=num_slices, SPLIT=split, SPLIT_P2=pow2_at_least(split, 1), PAGE=page_rank, MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m,
+        BLOCK_R=16, BLOCK_N=cfg.block_n, PRECISION=_precision(y.dtype), Y_ALIGN=align_hint(y.stride(0)),
+        B_ALIGN=align_hint(bt.stride(0)), MULTI=pools, DOT=cfg.decode_dot, DOT_N=min(64, cfg.block_n), **geo,
+    )  # fmt: skip
+    return FastLaunch(_expand_decode_kernel, (bound, blocks), constexprs, num_warps=cfg.num_warps,
+                      num_stages=1)  # fmt: skip

@@ -1,0 +1,154 @@
+"""The decode-shaped kernels (triton_decode; ``CapturePolicy(decode=True)``): the same result as the
+plain-torch reference for packed modules, pools sharing one input, any width and slice start, mixed ranks,
+tiles of one token (the vector path) and of several (the ``tl.dot`` path), and base-only rows; on the GPU,
+inside a CUDA graph replayed with new batches, as the engine's decode step does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from loraplane.kernels import LoRABatchMeta, ModuleSpec, lora_apply, lora_apply_many
+from loraplane.kernels.launch_config import CapturePolicy, capture_policy, pick_config, set_capture_policy
+from loraplane.kernels.triton_decode import decode_split
+from tests.kernels.lora_case import make_case
+from tests.kernels.test_many import TERMS, _pools, _reference, _targets
+from tests.kernels.test_one_launch import _copy_pool, _requests
+from tests.kernels.test_ops import BAND, MIXED, _check, _run
+from tests.kernels.width_case import Bank, check
+from tests.numerics import assert_close_sums
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU Triton needs TRITON_INTERPRET=1")
+    ),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
+
+
+@pytest.fixture(params=[True, False], ids=["dot", "vector"])
+def decode(request):
+    """Captured launches take the decode-shaped kernels, with small blocks so that the tests' small
+    shapes still span several v planes and column blocks; tiles of several tokens by ``tl.dot`` or a
+    token at a time."""
+    old = capture_policy()
+    set_capture_policy(**{**dataclasses.asdict(old), "decode": True, "fused": False, "decode_k": 32,
+                          "decode_n": 16, "decode_dot": request.param})  # fmt: skip
+    try:
+        yield
+    finally:
+        set_capture_policy(**dataclasses.asdict(old))
+
+
+def _dtype(device: str) -> torch.dtype:
+    return torch.float32 if device == "cpu" else torch.bfloat16
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("module", ["q", "qkv", "gate_up", "down"])
+@pytest.mark.parametrize("per_req", [1, 5], ids=["one-token-tiles", "shared-tiles"])
+def test_packed_modules_mixed_ranks_and_base_rows(decode, device, module, per_req):
+    """Ranks 8-128 and 12 in one batch, a fifth of the rows base-only (NaN there must stay NaN); tiles of
+    one token, or of five tokens of one adapter; every packed slice lands at its columns."""
+    case = make_case(num_tokens=24, num_adapters=10 if per_req == 1 else 4, ranks=MIXED, module=module,
+                     tokens_per_request=per_req, capture=True, capacity=32, dtype=_dtype(device),
+                     device=device)  # fmt: skip
+    spec = case.pool.modules[module]
+    cfg = pick_config(case.meta, spec.in_dim, spec.out_dims, case.x.dtype)
+    assert cfg.decode and decode_split(spec.in_dim, cfg.block_k) > 1
+    _check(case, _run(case, "triton"), _dtype(device))
+    assert any(p.shrink is not None and p.cfg.decode for p in case.meta.plans.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("names", [("q", "k", "v"), ("gate", "up"), ("k", "q")], ids=["qkv", "gate_up", "kq"])
+def test_pools_sharing_x(decode, device, names):
+    """q, k, v (gate, up) from pools of their own; an adapter without a module has rank 0 in that pool
+    and costs it nothing; a gap between slices stays as it was."""
+    pools, ranks = _pools(device)
+    reqs = [(2, 1), (0, 1), (1, 1), (-1, 1), (0, 1)]
+    meta = LoRABatchMeta(8, device, tile_m=16, capture=True, max_rank=16).build(reqs, ranks)
+    targets, width = _targets(pools, names, gap=8 if names == ("k", "q") else 0)
+    for layer in range(2):
+        x = torch.randn(8, 40, device=device)
+        y = torch.randn(8, width + 5, device=device)
+        want = _reference(y, x, targets, layer, meta)
+        got = lora_apply_many(y.clone(), x, targets, layer, meta, backend="triton")
+        assert_close_sums(got, want, TERMS)
+    assert all(p.cfg.decode for k, p in meta.plans.items() if k[0] == "pools")
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU Triton needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("width,start", [(17, 3), (107, 0), (2049, 5)])
+@pytest.mark.parametrize("per_req", [1, 3])
+def test_any_width_and_start(decode, width, start, per_req):
+    """Widths that no column block divides (the masked last block) and slices that start anywhere in y;
+    12 adapters for 12 rows (one-token tiles) or 4 (tiles of three)."""
+    spec = ModuleSpec(40, (width,), slice_starts=(start,), y_width=start + width + 5)
+    bank = Bank(spec, (1, 8, 37, 64) * (3 if per_req == 1 else 1), torch.float32)
+    b = bank.batch(bank.requests(12, per_req), capacity=16, capture=True)
+    y = b.y0.clone()
+    lora_apply(y, b.x, bank.pool, 0, "m", b.meta, backend="triton")
+    check(bank, b, y)
+
+
+def test_policy_fields_are_checked():
+    for bad in ({"decode_k": 24}, {"decode_n": 8}, {"decode": 1}, {"decode_dot": "yes"}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            CapturePolicy(**bad)
+
+
+def test_prefill_and_fused_launches_keep_their_kernels(decode):
+    """Only captured decode metadata (16-row tiles) takes the decode kernels; the one-launch kernel, when
+    asked for, wins."""
+    prefill = LoRABatchMeta(64, "cpu", tile_m=64, capture=True, max_rank=16)
+    assert not pick_config(prefill, 64, (32,), torch.float32).decode
+    eager = LoRABatchMeta(64, "cpu", tile_m=16, capture=False, max_rank=16)
+    assert not pick_config(eager, 64, (32,), torch.float32).decode
+    set_capture_policy(**{**dataclasses.asdict(capture_policy()), "fused": True})
+    captured = LoRABatchMeta(64, "cpu", tile_m=16, capture=True, max_rank=16)
+    cfg = pick_config(captured, 64, (32,), torch.float32)
+    assert cfg.one_launch and not cfg.decode
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("module", ["qkv", "gate_up", "down"])
+def test_gpu_graph_replays_new_batches(module):
+    """Full-size blocks (the policy's defaults): one graph of several layers' launches, replayed for
+    batches of distinct adapters, of shared ones and of a mix; each replay matches its reference."""
+    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), "decode": True, "fused": False})
+    try:
+        first = make_case(num_tokens=40, num_adapters=30, ranks=MIXED, module=module, capture=True, capacity=64,
+                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
+        x, y = first.x.clone(), first.y0.clone()
+        ys = [y.clone() for _ in range(4)]
+
+        def step():
+            for out in ys:
+                lora_apply(out, x, first.pool, 0, module, first.meta)
+
+        step()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for n, per_req in ((57, 1), (64, 16), (9, 3)):
+            case = make_case(num_tokens=n, num_adapters=min(n, 40), ranks=MIXED, module=module, capture=True,
+                             capacity=64, tokens_per_request=per_req, dtype=torch.bfloat16, device="cuda")  # fmt: skip
+            _copy_pool(first.pool, case.pool)
+            first.meta.build(_requests(case), case.pool.host_ranks())
+            x.copy_(case.x)
+            for out in ys:
+                out.copy_(case.y0)
+            graph.replay()
+            torch.cuda.synchronize()
+            rows = case.adapter_rows()
+            for out in ys:
+                err = ((out.cpu()[rows].double() - case.ref[rows]).norm() / case.ref[rows].norm()).item()
+                assert err < BAND[torch.bfloat16], f"seed={case.seed}: rel err {err:.2e}"
+    finally:
+        set_capture_policy(**dataclasses.asdict(old))
