@@ -272,19 +272,21 @@ def main(argv=None) -> None:
         from loraplane.kernels.launch_config import CapturePolicy
 
         pol = CapturePolicy(decode=True)
-        dec = {op: (lambda c: dataclasses.replace(c, decode=True, block_k=pol.decode_k, block_n=pol.decode_n,
-                                                  n_chunk=pol.decode_n, num_stages=1)) for op in OPS}  # fmt: skip
-        gdec = graph_of(Step(pools, meta, dev, cfgs=dec))
-        for case, r in reqs.items():
-            meta.build(r, ranks)
-            save({"kind": "step_decode", "case": case, "ms": replay_ms(gdec)})
-        for case in ("d64", "one"):
-            try:
-                res[f"profile_decode_{case}"] = profile(gdec, meta, reqs[case], ranks)
-            except Exception as e:  # noqa: BLE001 - the profile is a diagnostic
-                res[f"profile_decode_{case}"] = {"error": repr(e)}
-            save()
-        del gdec
+        for kind, dot in (("step_decode", True), ("step_vector", False)):
+            dec = {op: (lambda c, dot=dot: dataclasses.replace(c, decode=True, block_k=pol.decode_k, block_n=pol.decode_n,
+                                                               n_chunk=pol.decode_n, num_stages=1, decode_dot=dot))
+                   for op in OPS}  # fmt: skip
+            gdec = graph_of(Step(pools, meta, dev, cfgs=dec))
+            for case, r in reqs.items():
+                meta.build(r, ranks)
+                save({"kind": kind, "case": case, "ms": replay_ms(gdec)})
+            for case in ("d64", "one"):
+                try:
+                    res[f"profile_{kind}_{case}"] = profile(gdec, meta, reqs[case], ranks)
+                except Exception as e:  # noqa: BLE001 - the profile is a diagnostic
+                    res[f"profile_{kind}_{case}"] = {"error": repr(e)}
+                save()
+            del gdec
 
     # Per op: each variant's 32-layer graph timed for every case, round-robin over the ops (variant i of
     # every op, then i + 1), until the time budget runs out.
