@@ -117,11 +117,13 @@ def test_prefill_and_fused_launches_keep_their_kernels(decode):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dot", [True, False], ids=["dot", "vector"])
 @pytest.mark.parametrize("module", ["qkv", "gate_up", "down"])
-def test_gpu_graph_replays_new_batches(module):
+def test_gpu_graph_replays_new_batches(module, dot):
     """Full-size blocks (the policy's defaults): one graph of several layers' launches, replayed for
     batches of distinct adapters, of shared ones and of a mix; each replay matches its reference."""
-    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), "decode": True, "fused": False})
+    fields = {"decode": True, "fused": False, "decode_dot": dot}
+    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), **fields})
     try:
         first = make_case(num_tokens=40, num_adapters=30, ranks=MIXED, module=module, capture=True, capacity=64,
                           dtype=torch.bfloat16, device="cuda")  # fmt: skip
