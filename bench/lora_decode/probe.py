@@ -254,20 +254,22 @@ def main(argv=None) -> None:
     res["copy_gbs"] = copy_gbs(dev)
     save()
 
-    # The whole LoRA step (4 ops x 32 layers) with the heuristic's configs, per case, plus a profile.
-    full = Step(pools, meta, dev)
-    gfull = graph_of(full)
-    for case, r in reqs.items():
-        meta.build(r, ranks)
-        save({"kind": "step", "case": case, "ms": replay_ms(gfull)})
+    def whole_step(kind: str, step: Step, prefix: str) -> None:
+        """The whole LoRA step (4 ops x 32 layers) in one graph, per case, plus profiles of two cases."""
+        g = graph_of(step)
+        for case, r in reqs.items():
+            meta.build(r, ranks)
+            save({"kind": kind, "case": case, "ms": replay_ms(g)})
+        for case in ("d64", "one"):
+            try:
+                res[f"{prefix}{case}"] = profile(g, meta, reqs[case], ranks)
+            except Exception as e:  # noqa: BLE001 - the profile is a diagnostic
+                res[f"{prefix}{case}"] = {"error": repr(e)}
+            save()
+
+    full = Step(pools, meta, dev)  # the heuristic's configs
     res["configs"] = {op: repr(full.cfg(op)) for op in OPS}
-    for case in ("d64", "one"):
-        try:
-            res[f"profile_{case}"] = profile(gfull, meta, reqs[case], ranks)
-        except Exception as e:  # noqa: BLE001 - the profile is a diagnostic
-            res[f"profile_{case}"] = {"error": repr(e)}
-        save()
-    del gfull
+    whole_step("step", full, "profile_")
     if args.decode:  # the same step on the decode-shaped kernels, at the policy's default blocks
         from loraplane.kernels.launch_config import CapturePolicy
 
@@ -276,17 +278,7 @@ def main(argv=None) -> None:
             dec = {op: (lambda c, dot=dot: dataclasses.replace(c, decode=True, block_k=pol.decode_k, block_n=pol.decode_n,
                                                                n_chunk=pol.decode_n, num_stages=1, decode_dot=dot))
                    for op in OPS}  # fmt: skip
-            gdec = graph_of(Step(pools, meta, dev, cfgs=dec))
-            for case, r in reqs.items():
-                meta.build(r, ranks)
-                save({"kind": kind, "case": case, "ms": replay_ms(gdec)})
-            for case in ("d64", "one"):
-                try:
-                    res[f"profile_{kind}_{case}"] = profile(gdec, meta, reqs[case], ranks)
-                except Exception as e:  # noqa: BLE001 - the profile is a diagnostic
-                    res[f"profile_{kind}_{case}"] = {"error": repr(e)}
-                save()
-            del gdec
+            whole_step(kind, Step(pools, meta, dev, cfgs=dec), f"profile_{kind}_")
 
     # Per op: each variant's 32-layer graph timed for every case, round-robin over the ops (variant i of
     # every op, then i + 1), until the time budget runs out.

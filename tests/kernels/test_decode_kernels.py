@@ -15,10 +15,10 @@ import torch
 from loraplane.kernels import LoRABatchMeta, ModuleSpec, lora_apply, lora_apply_many
 from loraplane.kernels.launch_config import CapturePolicy, capture_policy, pick_config, set_capture_policy
 from loraplane.kernels.triton_decode import decode_split
+from tests.kernels.graph_replay import replay_checked
 from tests.kernels.lora_case import make_case
 from tests.kernels.test_many import TERMS, _pools, _reference, _targets
-from tests.kernels.test_one_launch import _copy_pool, _requests
-from tests.kernels.test_ops import BAND, MIXED, _check, _run
+from tests.kernels.test_ops import MIXED, _check, _run
 from tests.kernels.width_case import Bank, check
 from tests.numerics import assert_close_sums
 
@@ -125,32 +125,6 @@ def test_gpu_graph_replays_new_batches(module, dot):
     fields = {"decode": True, "fused": False, "decode_dot": dot}
     old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), **fields})
     try:
-        first = make_case(num_tokens=40, num_adapters=30, ranks=MIXED, module=module, capture=True, capacity=64,
-                          dtype=torch.bfloat16, device="cuda")  # fmt: skip
-        x, y = first.x.clone(), first.y0.clone()
-        ys = [y.clone() for _ in range(4)]
-
-        def step():
-            for out in ys:
-                lora_apply(out, x, first.pool, 0, module, first.meta)
-
-        step()  # compile outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        for n, per_req in ((57, 1), (64, 16), (9, 3)):
-            case = make_case(num_tokens=n, num_adapters=min(n, 40), ranks=MIXED, module=module, capture=True,
-                             capacity=64, tokens_per_request=per_req, dtype=torch.bfloat16, device="cuda")  # fmt: skip
-            _copy_pool(first.pool, case.pool)
-            first.meta.build(_requests(case), case.pool.host_ranks())
-            x.copy_(case.x)
-            for out in ys:
-                out.copy_(case.y0)
-            graph.replay()
-            torch.cuda.synchronize()
-            rows = case.adapter_rows()
-            for out in ys:
-                err = ((out.cpu()[rows].double() - case.ref[rows]).norm() / case.ref[rows].norm()).item()
-                assert err < BAND[torch.bfloat16], f"seed={case.seed}: rel err {err:.2e}"
+        replay_checked(module, 4, ((57, 1), (64, 16), (9, 3)))
     finally:
         set_capture_policy(**dataclasses.asdict(old))

@@ -17,9 +17,10 @@ import torch
 from loraplane.kernels import LoRABatchMeta, lora_apply, lora_apply_many
 from loraplane.kernels.launch_config import capture_policy, pick_config, set_capture_policy
 from loraplane.kernels.triton_fused import FUSED_SYNC
+from tests.kernels.graph_replay import replay_checked
 from tests.kernels.lora_case import make_case
 from tests.kernels.test_many import TERMS, _pools, _reference, _targets
-from tests.kernels.test_ops import BAND, MIXED, _check, _run
+from tests.kernels.test_ops import MIXED, _check, _run
 from tests.kernels.width_case import Bank, check
 from tests.numerics import assert_close_sums
 
@@ -94,46 +95,6 @@ def test_any_width_and_start(one_launch, width, start):
 def test_gpu_graph_replays_layer_after_layer(one_launch, module):
     """One graph of 6 launches on the same counters (as a step's layers), replayed for three batches:
     each replay matches its reference, and the counters end at multiples of the per-launch amount."""
-    first = make_case(num_tokens=40, num_adapters=30, ranks=MIXED, module=module, capture=True, capacity=64,
-                      dtype=torch.bfloat16, device="cuda")  # fmt: skip
-    x, y = first.x.clone(), first.y0.clone()
-    ys = [y.clone() for _ in range(6)]
-
-    def step():
-        for out in ys:
-            lora_apply(out, x, first.pool, 0, module, first.meta)
-
-    step()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for n in (57, 64, 9):
-        case = make_case(num_tokens=n, num_adapters=min(n, 40), ranks=MIXED, module=module, capture=True,
-                         capacity=64, dtype=torch.bfloat16, device="cuda")  # fmt: skip
-        _copy_pool(first.pool, case.pool)  # the new batch's weights into the captured tensors
-        first.meta.build(_requests(case), case.pool.host_ranks())
-        x.copy_(case.x)
-        for out in ys:
-            out.copy_(case.y0)
-        graph.replay()
-        torch.cuda.synchronize()
-        for out in ys:
-            rows = case.adapter_rows()
-            err = ((out.cpu()[rows].double() - case.ref[rows]).norm() / case.ref[rows].norm()).item()
-            assert err < BAND[torch.bfloat16], f"seed={case.seed}: rel err {err:.2e}"
+    first = replay_checked(module, 6, ((57, 1), (64, 1), (9, 1)))
     sync = first.meta.sync.cpu()
     assert (sync % FUSED_SYNC == 0).all() and sync.any()
-
-
-def _copy_pool(dst, src) -> None:
-    for key in dst.a:
-        dst.a[key].copy_(src.a[key])
-        dst.bt[key].copy_(src.bt[key])
-    dst.page_table.copy_(src.page_table)
-    dst.ranks.copy_(src.ranks)
-    dst.scales.copy_(src.scales)
-
-
-def _requests(case) -> list[tuple[int, int]]:
-    slots = case.meta.token_slot[: case.x.shape[0]].cpu().tolist()
-    return [(s, 1) for s in slots]

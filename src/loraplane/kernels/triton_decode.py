@@ -28,7 +28,8 @@ import triton.language as tl
 from loraplane.kernels.fast_launch import FastLaunch
 from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least, slice_geometry
 from loraplane.kernels.metadata import LoRABatchMeta
-from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows
+from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows, _slice_of
+from loraplane.kernels.triton_ops import _precision, check_expand_geometry
 
 __all__ = ["decode_expand_launch", "decode_shrink_launch", "decode_split"]
 
@@ -238,13 +239,7 @@ def _expand_decode_kernel(
     stride_yt = _aligned(stride_yt, Y_ALIGN)
     tile = tl.program_id(0)
     c = tl.program_id(1)
-    sl = c * 0
-    if NUM_SLICES > 1:
-        sl += (c >= CB1).to(tl.int32)
-    if NUM_SLICES > 2:
-        sl += (c >= CB2).to(tl.int32)
-    if NUM_SLICES > 3:
-        sl += (c >= CB3).to(tl.int32)
+    sl = _slice_of(c, NUM_SLICES, CB1, CB2, CB3)
     n0 = c * BLOCK_N + _pick(sl, OFF0, OFF1, OFF2, OFF3)  # the block's first packed column
     nn = n0 + tl.arange(0, BLOCK_N)  # [BN]
     c_end = _pick(sl, END0, END1, END2, END3)
@@ -276,10 +271,6 @@ def _expand_decode_kernel(
             _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
                         page_table_ptr, slot, rank, scale, n0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R,
                         BLOCK_N, DOT_N, RAGGED, PRECISION)  # fmt: skip
-
-
-def _precision(dtype) -> str:
-    return "ieee" if str(dtype) == "torch.float32" else "tf32"
 
 
 def decode_split(k_dim: int, block_k: int) -> int:
@@ -315,22 +306,15 @@ def decode_expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABa
                          cfg: LaunchConfig, num_slices: int, split: int, pools: bool = False):  # fmt: skip
     """As ``triton_ops.expand_launch`` (same run-time arguments, ``expand_args``): FastLaunch, or None when
     there is no work. One program per (tile slot, BLOCK_N columns of one slice)."""
-    if y.stride(1) != 1 or bt.stride(1) != 1:
-        raise ValueError("y and bt must be contiguous along their last dimension")
-    if (bt.shape[1] != (out_dims[0] if pools else sum(out_dims))) or y.shape[1] < max(
-        c + w for c, w in zip(slice_starts, out_dims, strict=True)
-    ):
-        raise ValueError(
-            f"bt [{bt.shape[1]} cols] and y [{y.shape[1]} cols] do not hold slices {out_dims} at {slice_starts}"
-        )
+    check_expand_geometry(y, bt, out_dims, slice_starts, pools)
     bound = meta.capacity if meta.capture else meta.host_num_tiles
     if not meta.capture and bound == 0:
         return None
     packed = (0,) * len(out_dims) if pools else None
     blocks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.block_n, packed)
     constexprs = dict(
-        NUM_SLICES=num_slices, SPLIT=split, SPLIT_P2=pow2_at_least(split, 1), PAGE=page_rank, MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m,
-        BLOCK_R=16, BLOCK_N=cfg.block_n, PRECISION=_precision(y.dtype), Y_ALIGN=align_hint(y.stride(0)),
+        NUM_SLICES=num_slices, SPLIT=split, SPLIT_P2=pow2_at_least(split, 1), PAGE=page_rank,
+        MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, BLOCK_R=16, BLOCK_N=cfg.block_n, PRECISION=_precision(y.dtype), Y_ALIGN=align_hint(y.stride(0)),
         B_ALIGN=align_hint(bt.stride(0)), MULTI=pools, DOT=cfg.decode_dot, DOT_N=min(64, cfg.block_n), **geo,
     )  # fmt: skip
     return FastLaunch(_expand_decode_kernel, (bound, blocks), constexprs, num_warps=cfg.num_warps,

@@ -30,7 +30,7 @@ import triton.language as tl
 from loraplane.kernels.fast_launch import FastLaunch
 from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least, slice_geometry
 from loraplane.kernels.metadata import LoRABatchMeta
-from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows
+from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows, _slice_of
 from loraplane.kernels.triton_kernels import _shrink_tile
 from loraplane.kernels.triton_ops import _precision
 
@@ -157,13 +157,7 @@ def _fused_kernel(
             for c_base in range(0, NUM_CHUNKS, P):  # member p takes chunks p, p + P, ...
                 c = c_base + p
                 if c < NUM_CHUNKS:
-                    sl = c * 0
-                    if NUM_SLICES > 1:
-                        sl += (c >= CB1).to(tl.int32)
-                    if NUM_SLICES > 2:
-                        sl += (c >= CB2).to(tl.int32)
-                    if NUM_SLICES > 3:
-                        sl += (c >= CB3).to(tl.int32)
+                    sl = _slice_of(c, NUM_SLICES, CB1, CB2, CB3)
                     c0 = c * N_CHUNK + _pick(sl, OFF0, OFF1, OFF2, OFF3)
                     c_end = _pick(sl, END0, END1, END2, END3)
                     dy = _pick(sl, DY0, DY1, DY2, DY3)

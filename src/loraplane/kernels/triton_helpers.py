@@ -34,3 +34,16 @@ def _pick(s, V0: tl.constexpr, V1: tl.constexpr, V2: tl.constexpr, V3: tl.conste
     equals V0 fold away (the packed layout's offsets are all 0), so the compiler still sees alignment."""
     t = V0 + (s == 1).to(tl.int32) * (V1 - V0)
     return t + (s == 2).to(tl.int32) * (V2 - V0) + (s == 3).to(tl.int32) * (V3 - V0)
+
+
+@triton.jit
+def _slice_of(c, NUM_SLICES: tl.constexpr, CB1: tl.constexpr, CB2: tl.constexpr, CB3: tl.constexpr):
+    """The slice that owns expand column chunk ``c``: slice s owns chunks [CB_s, CB_s+1) (CB_0 = 0)."""
+    sl = c * 0
+    if NUM_SLICES > 1:
+        sl += (c >= CB1).to(tl.int32)
+    if NUM_SLICES > 2:
+        sl += (c >= CB2).to(tl.int32)
+    if NUM_SLICES > 3:
+        sl += (c >= CB3).to(tl.int32)
+    return sl

@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows
+from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows, _slice_of
 
 
 @triton.jit
@@ -197,13 +197,7 @@ def _expand_kernel(
     pid_g = tl.program_id(0)
     pid_c = tl.program_id(1)
     num_g = tl.num_programs(0)
-    sl = pid_c * 0
-    if NUM_SLICES > 1:
-        sl += (pid_c >= CB1).to(tl.int32)
-    if NUM_SLICES > 2:
-        sl += (pid_c >= CB2).to(tl.int32)
-    if NUM_SLICES > 3:
-        sl += (pid_c >= CB3).to(tl.int32)
+    sl = _slice_of(pid_c, NUM_SLICES, CB1, CB2, CB3)
     c0 = pid_c * N_CHUNK + _pick(sl, OFF0, OFF1, OFF2, OFF3)
     c_end = _pick(sl, END0, END1, END2, END3)
     dy = _pick(sl, DY0, DY1, DY2, DY3)

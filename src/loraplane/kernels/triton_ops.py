@@ -23,6 +23,7 @@ from loraplane.kernels.triton_kernels import _expand_kernel, _shrink_kernel
 
 __all__ = [
     "LaunchConfig",
+    "check_expand_geometry",
     "expand_args",
     "expand_launch",
     "expand_triton",
@@ -97,10 +98,9 @@ def shrink_triton(
     return v
 
 
-def expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABatchMeta, page_rank: int,
-                  cfg: LaunchConfig, num_slices: int, split: int, pools: bool = False):  # fmt: skip
-    """Launch shape of one expand (FastLaunch), or None when there is no work. Checks the geometry.
-    ``pools``: every slice from its own single-slice pool (its B^T columns start at 0)."""
+def check_expand_geometry(y, bt, out_dims, slice_starts, pools: bool) -> None:
+    """y and B^T contiguous along their rows, B^T as wide as the slices (one slice when ``pools``), y wide
+    enough to hold every slice at its start; else ValueError."""
     if y.stride(1) != 1 or bt.stride(1) != 1:
         raise ValueError("y and bt must be contiguous along their last dimension")
     if (bt.shape[1] != (out_dims[0] if pools else sum(out_dims))) or y.shape[1] < max(
@@ -109,6 +109,13 @@ def expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABatchMeta
         raise ValueError(
             f"bt [{bt.shape[1]} cols] and y [{y.shape[1]} cols] do not hold slices {out_dims} at {slice_starts}"
         )
+
+
+def expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABatchMeta, page_rank: int,
+                  cfg: LaunchConfig, num_slices: int, split: int, pools: bool = False):  # fmt: skip
+    """Launch shape of one expand (FastLaunch), or None when there is no work. Checks the geometry.
+    ``pools``: every slice from its own single-slice pool (its B^T columns start at 0)."""
+    check_expand_geometry(y, bt, out_dims, slice_starts, pools)
     bound = meta.capacity if meta.capture else meta.host_num_tiles
     if not meta.capture and bound == 0:
         return None
