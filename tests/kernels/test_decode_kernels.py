@@ -12,15 +12,15 @@ import os
 import pytest
 import torch
 
-from loraplane.kernels import LoRABatchMeta, ModuleSpec, lora_apply, lora_apply_many
+from loraplane.kernels import LoRABatchMeta, ModuleSpec, lora_apply
 from loraplane.kernels.launch_config import CapturePolicy, capture_policy, pick_config, set_capture_policy
 from loraplane.kernels.triton_decode import decode_split
 from tests.kernels.graph_replay import replay_checked
 from tests.kernels.lora_case import make_case
-from tests.kernels.test_many import TERMS, _pools, _reference, _targets
+from tests.kernels.test_many import check_pools_sharing_x
+from tests.kernels.test_one_launch import _dtype
 from tests.kernels.test_ops import MIXED, _check, _run
 from tests.kernels.width_case import Bank, check
-from tests.numerics import assert_close_sums
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -45,10 +45,6 @@ def decode(request):
         set_capture_policy(**dataclasses.asdict(old))
 
 
-def _dtype(device: str) -> torch.dtype:
-    return torch.float32 if device == "cpu" else torch.bfloat16
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("module", ["q", "qkv", "gate_up", "down"])
 @pytest.mark.parametrize("per_req", [1, 5], ids=["one-token-tiles", "shared-tiles"])
@@ -70,16 +66,7 @@ def test_packed_modules_mixed_ranks_and_base_rows(decode, device, module, per_re
 def test_pools_sharing_x(decode, device, names):
     """q, k, v (gate, up) from pools of their own; an adapter without a module has rank 0 in that pool
     and costs it nothing; a gap between slices stays as it was."""
-    pools, ranks = _pools(device)
-    reqs = [(2, 1), (0, 1), (1, 1), (-1, 1), (0, 1)]
-    meta = LoRABatchMeta(8, device, tile_m=16, capture=True, max_rank=16).build(reqs, ranks)
-    targets, width = _targets(pools, names, gap=8 if names == ("k", "q") else 0)
-    for layer in range(2):
-        x = torch.randn(8, 40, device=device)
-        y = torch.randn(8, width + 5, device=device)
-        want = _reference(y, x, targets, layer, meta)
-        got = lora_apply_many(y.clone(), x, targets, layer, meta, backend="triton")
-        assert_close_sums(got, want, TERMS)
+    meta = check_pools_sharing_x(device, names)
     assert all(p.cfg.decode for k, p in meta.plans.items() if k[0] == "pools")
 
 

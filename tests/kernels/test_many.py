@@ -68,6 +68,23 @@ REQUESTS = {
 }
 
 
+def check_pools_sharing_x(device: str, names: tuple[str, ...]) -> LoRABatchMeta:
+    """q, k, v (gate, up; or k, q with a gap between them) from pools of their own, over two layers of
+    captured metadata with a base-only row: ``lora_apply_many`` equals the float64 reference. Returns the
+    metadata (its plans show which kernels ran)."""
+    pools, ranks = _pools(device)
+    reqs = [(2, 1), (0, 1), (1, 1), (-1, 1), (0, 1)]
+    meta = LoRABatchMeta(8, device, tile_m=16, capture=True, max_rank=16).build(reqs, ranks)
+    targets, width = _targets(pools, names, gap=8 if names == ("k", "q") else 0)
+    for layer in range(2):
+        x = torch.randn(8, 40, device=device)
+        y = torch.randn(8, width + 5, device=device)
+        want = _reference(y, x, targets, layer, meta)
+        got = lora_apply_many(y.clone(), x, targets, layer, meta, backend="triton")
+        assert_close_sums(got, want, TERMS)
+    return meta
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("names", [("q", "k", "v"), ("gate", "up"), ("k", "q")], ids=["qkv", "gate_up", "kq"])
 @pytest.mark.parametrize("kind", list(REQUESTS))

@@ -26,10 +26,10 @@ import triton
 import triton.language as tl
 
 from loraplane.kernels.fast_launch import FastLaunch
-from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least, slice_geometry
+from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least
 from loraplane.kernels.metadata import LoRABatchMeta
-from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows, _slice_of
-from loraplane.kernels.triton_ops import _precision, check_expand_geometry
+from loraplane.kernels.triton_helpers import _aligned, _chunk_of, _pick_rt, _pool_of_slice, _rows
+from loraplane.kernels.triton_ops import _precision, expand_geometry
 
 __all__ = ["decode_expand_launch", "decode_shrink_launch", "decode_split"]
 
@@ -239,17 +239,14 @@ def _expand_decode_kernel(
     stride_yt = _aligned(stride_yt, Y_ALIGN)
     tile = tl.program_id(0)
     c = tl.program_id(1)
-    sl = _slice_of(c, NUM_SLICES, CB1, CB2, CB3)
-    n0 = c * BLOCK_N + _pick(sl, OFF0, OFF1, OFF2, OFF3)  # the block's first packed column
+    sl, n0, c_end, dy = _chunk_of(c, BLOCK_N, NUM_SLICES, CB1, CB2, CB3, OFF0, OFF1, OFF2, OFF3, END0, END1, END2,
+                                  END3, DY0, DY1, DY2, DY3)  # fmt: skip
     nn = n0 + tl.arange(0, BLOCK_N)  # [BN]
-    c_end = _pick(sl, END0, END1, END2, END3)
-    dy = _pick(sl, DY0, DY1, DY2, DY3)
     if MULTI:
-        bt_ptr += _pick_rt(sl, 0, bo1, bo2, bo3)
-        stride_br = _pick_rt(sl, stride_br, bs1, bs2, bs3)
-        page_table_ptr += _pick_rt(sl, 0, po1, po2, po3)
-        ranks_ptr += _pick_rt(sl, 0, ro1, ro2, ro3)
-        scales_ptr += _pick_rt(sl, 0, so1, so2, so3)
+        bt_ptr, stride_br, page_table_ptr, ranks_ptr, scales_ptr = _pool_of_slice(
+            sl, bt_ptr, stride_br, page_table_ptr, ranks_ptr, scales_ptr,
+            bo1, bo2, bo3, bs1, bs2, bs3, po1, po2, po3, ro1, ro2, ro3, so1, so2, so3,
+        )  # fmt: skip
     stride_br = _aligned(stride_br, B_ALIGN)
     slot = tl.load(tiles_ptr + tile * 3)
     start = tl.load(tiles_ptr + tile * 3 + 1)
@@ -306,16 +303,14 @@ def decode_expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABa
                          cfg: LaunchConfig, num_slices: int, split: int, pools: bool = False):  # fmt: skip
     """As ``triton_ops.expand_launch`` (same run-time arguments, ``expand_args``): FastLaunch, or None when
     there is no work. One program per (tile slot, BLOCK_N columns of one slice)."""
-    check_expand_geometry(y, bt, out_dims, slice_starts, pools)
-    bound = meta.capacity if meta.capture else meta.host_num_tiles
-    if not meta.capture and bound == 0:
+    shape = expand_geometry(y, bt, out_dims, slice_starts, meta, cfg.block_n, pools)
+    if shape is None:
         return None
-    packed = (0,) * len(out_dims) if pools else None
-    blocks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.block_n, packed)
+    bound, blocks, geo = shape
     constexprs = dict(
         NUM_SLICES=num_slices, SPLIT=split, SPLIT_P2=pow2_at_least(split, 1), PAGE=page_rank,
-        MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, BLOCK_R=16, BLOCK_N=cfg.block_n, PRECISION=_precision(y.dtype), Y_ALIGN=align_hint(y.stride(0)),
-        B_ALIGN=align_hint(bt.stride(0)), MULTI=pools, DOT=cfg.decode_dot, DOT_N=min(64, cfg.block_n), **geo,
+        MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, BLOCK_R=16, BLOCK_N=cfg.block_n,
+        PRECISION=_precision(y.dtype), Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)), MULTI=pools, DOT=cfg.decode_dot, DOT_N=min(64, cfg.block_n), **geo,
     )  # fmt: skip
     return FastLaunch(_expand_decode_kernel, (bound, blocks), constexprs, num_warps=cfg.num_warps,
                       num_stages=1)  # fmt: skip

@@ -47,3 +47,30 @@ def _slice_of(c, NUM_SLICES: tl.constexpr, CB1: tl.constexpr, CB2: tl.constexpr,
     if NUM_SLICES > 3:
         sl += (c >= CB3).to(tl.int32)
     return sl
+
+
+@triton.jit
+def _pool_of_slice(sl, bt_ptr, stride_br, page_table_ptr, ranks_ptr, scales_ptr, bo1, bo2, bo3, bs1, bs2, bs3,
+                   po1, po2, po3, ro1, ro2, ro3, so1, so2, so3):  # fmt: skip
+    """An expand's tensors for slice ``sl`` when each slice is its own pool: B^T, its row stride, page
+    table, ranks and scales at element offsets (bo, po, ro, so) and row stride bs of pools 1..3 from pool
+    0's (the arguments)."""
+    return (
+        bt_ptr + _pick_rt(sl, 0, bo1, bo2, bo3),
+        _pick_rt(sl, stride_br, bs1, bs2, bs3),
+        page_table_ptr + _pick_rt(sl, 0, po1, po2, po3),
+        ranks_ptr + _pick_rt(sl, 0, ro1, ro2, ro3),
+        scales_ptr + _pick_rt(sl, 0, so1, so2, so3),
+    )
+
+
+@triton.jit
+def _chunk_of(c, N_CHUNK: tl.constexpr, NUM_SLICES: tl.constexpr, CB1: tl.constexpr, CB2: tl.constexpr,
+              CB3: tl.constexpr, OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
+              END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, END3: tl.constexpr, DY0: tl.constexpr,
+              DY1: tl.constexpr, DY2: tl.constexpr, DY3: tl.constexpr):  # fmt: skip
+    """Expand column chunk ``c`` (launch_config.slice_geometry): (its slice, its first packed B^T column, the
+    slice's end column, the offset from packed to y columns)."""
+    sl = _slice_of(c, NUM_SLICES, CB1, CB2, CB3)
+    c0 = c * N_CHUNK + _pick(sl, OFF0, OFF1, OFF2, OFF3)
+    return sl, c0, _pick(sl, END0, END1, END2, END3), _pick(sl, DY0, DY1, DY2, DY3)

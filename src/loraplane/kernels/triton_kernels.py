@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from loraplane.kernels.triton_helpers import _aligned, _pick, _pick_rt, _rows, _slice_of
+from loraplane.kernels.triton_helpers import _aligned, _chunk_of, _pick_rt, _pool_of_slice, _rows
 
 
 @triton.jit
@@ -197,16 +197,13 @@ def _expand_kernel(
     pid_g = tl.program_id(0)
     pid_c = tl.program_id(1)
     num_g = tl.num_programs(0)
-    sl = _slice_of(pid_c, NUM_SLICES, CB1, CB2, CB3)
-    c0 = pid_c * N_CHUNK + _pick(sl, OFF0, OFF1, OFF2, OFF3)
-    c_end = _pick(sl, END0, END1, END2, END3)
-    dy = _pick(sl, DY0, DY1, DY2, DY3)
+    sl, c0, c_end, dy = _chunk_of(pid_c, N_CHUNK, NUM_SLICES, CB1, CB2, CB3, OFF0, OFF1, OFF2, OFF3, END0, END1, END2,
+                                  END3, DY0, DY1, DY2, DY3)  # fmt: skip
     if MULTI:
-        bt_ptr += _pick_rt(sl, 0, bo1, bo2, bo3)
-        stride_br = _pick_rt(sl, stride_br, bs1, bs2, bs3)
-        page_table_ptr += _pick_rt(sl, 0, po1, po2, po3)
-        ranks_ptr += _pick_rt(sl, 0, ro1, ro2, ro3)
-        scales_ptr += _pick_rt(sl, 0, so1, so2, so3)
+        bt_ptr, stride_br, page_table_ptr, ranks_ptr, scales_ptr = _pool_of_slice(
+            sl, bt_ptr, stride_br, page_table_ptr, ranks_ptr, scales_ptr,
+            bo1, bo2, bo3, bs1, bs2, bs3, po1, po2, po3, ro1, ro2, ro3, so1, so2, so3,
+        )  # fmt: skip
     stride_br = _aligned(stride_br, B_ALIGN)
     offs_m = tl.arange(0, BLOCK_M)
     for tile in range(pid_g, tile_bound, num_g):

@@ -24,6 +24,7 @@ from loraplane.kernels.triton_kernels import _expand_kernel, _shrink_kernel
 __all__ = [
     "LaunchConfig",
     "check_expand_geometry",
+    "expand_geometry",
     "expand_args",
     "expand_launch",
     "expand_triton",
@@ -98,6 +99,18 @@ def shrink_triton(
     return v
 
 
+def expand_geometry(y, bt, out_dims, slice_starts, meta: LoRABatchMeta, n_chunk: int, pools: bool):
+    """Checks, then (tile bound, column chunks, ``slice_geometry``'s constexprs) of an expand with chunks
+    of ``n_chunk`` columns, or None when there is no work (an eager step without tiles)."""
+    check_expand_geometry(y, bt, out_dims, slice_starts, pools)
+    bound = meta.capacity if meta.capture else meta.host_num_tiles
+    if not meta.capture and bound == 0:
+        return None
+    packed = (0,) * len(out_dims) if pools else None
+    chunks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), n_chunk, packed)
+    return bound, chunks, geo
+
+
 def check_expand_geometry(y, bt, out_dims, slice_starts, pools: bool) -> None:
     """y and B^T contiguous along their rows, B^T as wide as the slices (one slice when ``pools``), y wide
     enough to hold every slice at its start; else ValueError."""
@@ -115,12 +128,10 @@ def expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABatchMeta
                   cfg: LaunchConfig, num_slices: int, split: int, pools: bool = False):  # fmt: skip
     """Launch shape of one expand (FastLaunch), or None when there is no work. Checks the geometry.
     ``pools``: every slice from its own single-slice pool (its B^T columns start at 0)."""
-    check_expand_geometry(y, bt, out_dims, slice_starts, pools)
-    bound = meta.capacity if meta.capture else meta.host_num_tiles
-    if not meta.capture and bound == 0:
+    shape = expand_geometry(y, bt, out_dims, slice_starts, meta, cfg.n_chunk, pools)
+    if shape is None:
         return None
-    packed = (0,) * len(out_dims) if pools else None
-    chunks, geo = slice_geometry(tuple(out_dims), tuple(slice_starts), cfg.n_chunk, packed)
+    bound, chunks, geo = shape
     g = max(1, min(bound, cfg.expand_programs // chunks, cfg.tile_programs or bound))
     constexprs = dict(
         NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
