@@ -211,14 +211,17 @@ DECODE_BLOCKS = [
 ]  # fmt: skip
 
 
+def decode_cfg(k: int, n: int, dot: bool, warps: int = 4):
+    """A launch-config override: the decode kernels with blocks of k input and n output columns."""
+    return lambda c: dataclasses.replace(c, decode=True, block_k=k, block_n=n, n_chunk=n, num_warps=warps,
+                                         num_stages=1, decode_dot=dot)  # fmt: skip
+
+
 def decode_variants() -> list[tuple[str, object]]:
-    rep = dataclasses.replace
     return [
-        (f"decode k={k} n={n} w={w} dot={int(dot)}",
-         lambda c, k=k, n=n, w=w, dot=dot: rep(c, decode=True, block_k=k, block_n=n, n_chunk=n, num_warps=w,
-                                               num_stages=1, decode_dot=dot))
+        (f"decode k={k} n={n} w={w} dot={int(dot)}", decode_cfg(k, n, dot, w))
         for k, n, w, dot in DECODE_BLOCKS
-    ]  # fmt: skip
+    ]
 
 
 def copy_gbs(dev) -> float:
@@ -275,9 +278,7 @@ def main(argv=None) -> None:
 
         pol = CapturePolicy(decode=True)
         for kind, dot in (("step_decode", True), ("step_vector", False)):
-            dec = {op: (lambda c, dot=dot: dataclasses.replace(c, decode=True, block_k=pol.decode_k, block_n=pol.decode_n,
-                                                               n_chunk=pol.decode_n, num_stages=1, decode_dot=dot))
-                   for op in OPS}  # fmt: skip
+            dec = dict.fromkeys(OPS, decode_cfg(pol.decode_k, pol.decode_n, dot))
             whole_step(kind, Step(pools, meta, dev, cfgs=dec), f"profile_{kind}_")
 
     # Per op: each variant's 32-layer graph timed for every case, round-robin over the ops (variant i of

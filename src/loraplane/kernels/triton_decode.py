@@ -115,10 +115,7 @@ def _shrink_decode_kernel(
         kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         v_plane = v_ptr + kb * stride_vk + s * stride_vs
-        if not DOT:
-            _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, kk, k_mask, a_ptr, a_off, stride_ar, pt, slot,
-                         rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
-        elif count == 1:
+        if not (DOT and count > 1):  # without DOT the dot path is not compiled
             _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, kk, k_mask, a_ptr, a_off, stride_ar, pt, slot,
                          rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
         else:
@@ -129,10 +126,9 @@ def _shrink_decode_kernel(
 
 @triton.jit
 def _v_sum(v_ptrs, stride_vk, mask, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr):
-    """The SPLIT partial planes of v at ``v_ptrs`` [BR] (plane 0), summed in float32. One [planes, BR] load
-    spread over the threads and a reduction across them: summing plane by plane kept every plane of the
-    rank chunk in every thread's registers (about 100 more a thread at 8 planes, and a third the programs
-    resident)."""
+    """The SPLIT partial planes of v at ``v_ptrs`` [BR] (plane 0), summed in float32: one [planes, BR] load
+    spread over the threads and a reduction across them (a [BR] vector is held by many threads at once, so
+    loading it plane by plane repeats every plane's load in each of them)."""
     planes = tl.arange(0, SPLIT_P2)
     ptrs = v_ptrs[None, :] + planes[:, None] * stride_vk
     return tl.sum(tl.load(ptrs, mask=(planes < SPLIT)[:, None] & mask[None, :], other=0.0), axis=0)
@@ -161,8 +157,8 @@ def _b_block(b_blk, r_mask, n_ok, RAGGED: tl.constexpr):
 @triton.jit
 def _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
                  page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
-                 PAGE: tl.constexpr,
-                 MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, RAGGED: tl.constexpr):  # fmt: skip
+                 PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                 RAGGED: tl.constexpr):  # fmt: skip
     # A token at a time: y[tok, nn] += scale * sum_r v[r] * B^T[r, nn], in float32.
     offs_r = tl.arange(0, BLOCK_R)
     for m in range(0, count):
@@ -190,8 +186,7 @@ def _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_
                 MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                 DOT_N: tl.constexpr, RAGGED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     # The tile's tokens together: each block of B^T is read once for all of them. Columns [n0, n0 + BLOCK_N)
-    # in a loop of DOT_N-column pieces, so that the MMA operands and accumulator stay small in registers
-    # (the whole block at once held 120-250 a thread, and few programs resident).
+    # in a loop of DOT_N-column pieces, so that the MMA operands and accumulator stay small in registers.
     offs_r = tl.arange(0, BLOCK_R)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < count
@@ -225,8 +220,7 @@ def _expand_decode_kernel(
     scales_ptr, bo1, bo2, bo3, bs1, bs2, bs3, po1, po2, po3, ro1, ro2, ro3, so1, so2, so3,
     NUM_SLICES: tl.constexpr, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PAGE: tl.constexpr,
     MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    PRECISION: tl.constexpr,
-    Y_ALIGN: tl.constexpr, B_ALIGN: tl.constexpr,
+    PRECISION: tl.constexpr, Y_ALIGN: tl.constexpr, B_ALIGN: tl.constexpr,
     RAGGED: tl.constexpr, CB1: tl.constexpr, CB2: tl.constexpr, CB3: tl.constexpr,
     OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
     END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, END3: tl.constexpr,
@@ -256,14 +250,10 @@ def _expand_decode_kernel(
         scale = tl.load(scales_ptr + slot)
         n_ok = nn < c_end  # only ragged slices use it
         v_slice = v_ptr + sl * stride_vs
-        if not DOT:
-            _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
-                         page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE, MAX_PAGES, BLOCK_R, BLOCK_N,
-                         RAGGED)  # fmt: skip
-        elif count == 1:
-            _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
-                         page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE, MAX_PAGES, BLOCK_R, BLOCK_N,
-                         RAGGED)  # fmt: skip
+        if not (DOT and count > 1):  # without DOT the dot path is not compiled
+            _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start,
+                         count, page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE, MAX_PAGES,
+                         BLOCK_R, BLOCK_N, RAGGED)  # fmt: skip
         else:
             _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
                         page_table_ptr, slot, rank, scale, n0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R,
@@ -310,7 +300,8 @@ def decode_expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABa
     constexprs = dict(
         NUM_SLICES=num_slices, SPLIT=split, SPLIT_P2=pow2_at_least(split, 1), PAGE=page_rank,
         MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, BLOCK_R=16, BLOCK_N=cfg.block_n,
-        PRECISION=_precision(y.dtype), Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)), MULTI=pools, DOT=cfg.decode_dot, DOT_N=min(64, cfg.block_n), **geo,
+        PRECISION=_precision(y.dtype), Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)),
+        MULTI=pools, DOT=cfg.decode_dot, DOT_N=min(64, cfg.block_n), **geo,
     )  # fmt: skip
     return FastLaunch(_expand_decode_kernel, (bound, blocks), constexprs, num_warps=cfg.num_warps,
                       num_stages=1)  # fmt: skip
