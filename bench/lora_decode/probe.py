@@ -205,9 +205,12 @@ def variants(op: str, base) -> list[tuple[str, object]]:
 
 
 # The decode kernels' block sizes: input columns per shrink program, output columns per expand program.
-# (k, n, warps, dot): dot False takes every tile a token at a time.
+# (k, n, warps, dot): dot False takes every tile a token at a time. Wider blocks first: the expand's time
+# grew with the warps it launched, not with the bytes each moved.
 DECODE_BLOCKS = [
-    (k, n, w, dot) for dot in (True, False) for w in (4, 2) for k, n in ((256, 256), (512, 256), (256, 128), (512, 512), (1024, 512))
+    (512, 512, 4, True), (512, 1024, 4, True), (1024, 1024, 4, True), (512, 1024, 2, True),
+    (1024, 2048, 4, True), (2048, 1024, 4, True), (512, 512, 2, True), (1024, 1024, 8, True),
+    (512, 1024, 4, False), (512, 256, 4, True),
 ]  # fmt: skip
 
 

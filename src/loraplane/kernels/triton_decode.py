@@ -35,48 +35,100 @@ __all__ = ["decode_expand_launch", "decode_shrink_launch", "decode_split"]
 
 
 @triton.jit
-def _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, kk, k_mask, a_ptr, a_off, stride_ar, pt, slot, rank,
-                 v_plane, stride_vt, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
-    # A token at a time: multiply and reduce in float32 (a one-token tile pads nothing).
+def _first_rows(pt, slot, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Physical rows of ``slot``'s first BLOCK_R rank rows, asked for before its rank is known (rows past
+    the rank are masked where A or B^T is read)."""
     offs_r = tl.arange(0, BLOCK_R)
-    for m in range(0, count):
-        tok = tl.load(order_ptr + start + m).to(tl.int64)
-        xv = tl.load(x_ptr + tok * stride_xt + kk, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
-        for r0 in range(0, rank, BLOCK_R):
-            rr = r0 + offs_r
-            r_mask = rr < rank
-            phys = _rows(pt, slot, rr, r_mask, PAGE, MAX_PAGES)
-            a_blk = a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :]
-            at = tl.load(a_blk, mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]
-            vs = tl.sum(at.to(tl.float32) * xv[None, :], axis=1)  # [BR]
-            tl.store(v_plane + tok * stride_vt + rr, vs, mask=r_mask)
+    return _rows(pt, slot, offs_r, offs_r < MAX_PAGES * PAGE, PAGE, MAX_PAGES)
 
 
 @triton.jit
-def _shrink_dot(x_ptr, stride_xt, order_ptr, start, count, k0, K, a_ptr, a_off, stride_ar, pt, slot, rank,
-                v_plane, stride_vt, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    # The tile's tokens together: each block of A is read once for all of them. Input columns
-    # [k0, k0 + BLOCK_K) in DOT_K-column pieces, so that the MMA operands stay small in registers.
-    offs_r = tl.arange(0, BLOCK_R)
+def _tile_tokens(order_ptr, start, count, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
+    """The tile's rows [BM] (int64) for the dot path; without DOT nothing is read."""
     offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
-    for r0 in range(0, rank, BLOCK_R):
+    if DOT:
+        toks = tl.load(order_ptr + start + offs_m, mask=offs_m < count, other=0).to(tl.int64)
+    else:
+        toks = offs_m.to(tl.int64)
+    return toks
+
+
+@triton.jit
+def _shrink_token(x_ptr, stride_xt, tok, kk, k_mask, at0, a_ptr, a_off, stride_ar, pt, slot, rank, v_plane,
+                  stride_vt, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
+    # v[tok, r] = sum_k A[r, k] x[tok, k] over this program's columns, in float32; at0: A's first rank chunk.
+    offs_r = tl.arange(0, BLOCK_R)
+    xv = tl.load(x_ptr + tok * stride_xt + kk, mask=k_mask, other=0.0).to(tl.float32)  # [BK]
+    tl.store(v_plane + tok * stride_vt + offs_r, tl.sum(at0.to(tl.float32) * xv[None, :], axis=1),
+             mask=offs_r < rank)  # fmt: skip
+    for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks above BLOCK_R
         rr = r0 + offs_r
         r_mask = rr < rank
         phys = _rows(pt, slot, rr, r_mask, PAGE, MAX_PAGES)
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for q0 in range(0, BLOCK_K, DOT_K):
-            kk = k0 + q0 + tl.arange(0, DOT_K)  # [DK]
-            k_mask = kk < K
-            xt = tl.load(x_ptr + tok[:, None] * stride_xt + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
-                         other=0.0)  # [BM, DK]  # fmt: skip
-            at = tl.load(a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :],
-                         mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BR, DK]  # fmt: skip
-            acc = tl.dot(xt, tl.trans(at), acc=acc, input_precision=PRECISION)  # [BM, BR]
+        at = tl.load(a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                     other=0.0)  # [BR, BK]  # fmt: skip
+        tl.store(v_plane + tok * stride_vt + rr, tl.sum(at.to(tl.float32) * xv[None, :], axis=1), mask=r_mask)
+
+
+@triton.jit
+def _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, tok0, kk, k_mask, a_ptr, a_off, stride_ar, phys0, pt,
+                 slot, rank, v_plane, stride_vt, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
+                 BLOCK_R: tl.constexpr):  # fmt: skip
+    # A token at a time: multiply and reduce (a one-token tile pads nothing). A's first rank chunk is read
+    # once for the tile's tokens, in the same round of loads as the first token's x.
+    offs_r = tl.arange(0, BLOCK_R)
+    at0 = tl.load(a_ptr + a_off + phys0[:, None] * stride_ar + kk[None, :],
+                  mask=(offs_r < rank)[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]  # fmt: skip
+    _shrink_token(x_ptr, stride_xt, tok0, kk, k_mask, at0, a_ptr, a_off, stride_ar, pt, slot, rank, v_plane,
+                  stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
+    for m in range(1, count):
+        tok = tl.load(order_ptr + start + m).to(tl.int64)
+        # A again (a cache hit): holding the first chunk across the loop would double the registers
+        at = tl.load(a_ptr + a_off + phys0[:, None] * stride_ar + kk[None, :],
+                     mask=(offs_r < rank)[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]  # fmt: skip
+        _shrink_token(x_ptr, stride_xt, tok, kk, k_mask, at, a_ptr, a_off, stride_ar, pt, slot, rank, v_plane,
+                      stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
+
+
+@triton.jit
+def _shrink_dot_chunk(x_ptr, stride_xt, toks, m_mask, k0, K, a_ptr, a_off, stride_ar, phys, r_mask,
+                      BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, DOT_K: tl.constexpr,
+                      PRECISION: tl.constexpr):  # fmt: skip
+    # [BM, BR] of x A^T over input columns [k0, k0 + BLOCK_K), in DOT_K-column pieces (small MMA operands),
+    # unrolled so that every piece's loads can be in flight at once.
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for q0 in tl.static_range(0, BLOCK_K, DOT_K):
+        kk = k0 + q0 + tl.arange(0, DOT_K)  # [DK]
+        k_mask = kk < K
+        xt = tl.load(x_ptr + toks[:, None] * stride_xt + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
+                     other=0.0)  # [BM, DK]  # fmt: skip
+        at = tl.load(a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                     other=0.0)  # [BR, DK]  # fmt: skip
+        acc = tl.dot(xt, tl.trans(at), acc=acc, input_precision=PRECISION)
+    return acc
+
+
+@triton.jit
+def _shrink_dot(x_ptr, stride_xt, toks, count, k0, K, a_ptr, a_off, stride_ar, phys0, pt, slot, rank, v_plane,
+                stride_vt, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_K: tl.constexpr, DOT_K: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    # The tile's tokens together: each block of A is read once for all of them.
+    offs_r = tl.arange(0, BLOCK_R)
+    m_mask = tl.arange(0, BLOCK_M) < count
+    r_mask = offs_r < rank
+    acc = _shrink_dot_chunk(x_ptr, stride_xt, toks, m_mask, k0, K, a_ptr, a_off, stride_ar, phys0, r_mask, BLOCK_M,
+                            BLOCK_R, BLOCK_K, DOT_K, PRECISION)  # fmt: skip
+    tl.store(
+        v_plane + toks[:, None] * stride_vt + offs_r[None, :], acc, mask=m_mask[:, None] & r_mask[None, :]
+    )
+    for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks above BLOCK_R
+        rr = r0 + offs_r
+        r_mask = rr < rank
+        phys = _rows(pt, slot, rr, r_mask, PAGE, MAX_PAGES)
+        acc = _shrink_dot_chunk(x_ptr, stride_xt, toks, m_mask, k0, K, a_ptr, a_off, stride_ar, phys, r_mask,
+                                BLOCK_M, BLOCK_R, BLOCK_K, DOT_K, PRECISION)  # fmt: skip
         tl.store(
-            v_plane + tok[:, None] * stride_vt + rr[None, :], acc, mask=m_mask[:, None] & r_mask[None, :]
+            v_plane + toks[:, None] * stride_vt + rr[None, :], acc, mask=m_mask[:, None] & r_mask[None, :]
         )
 
 
@@ -110,17 +162,23 @@ def _shrink_decode_kernel(
         a_off = s.to(tl.int64) * stride_as
         pt = page_table_ptr
         rank = tl.load(ranks_ptr + slot)
+    # A program's time is its chain of dependent loads, so all that follows from the tile alone is asked
+    # for in one round with the rank: the first token, the dot path's tokens, the first rank chunk's page
+    # rows. Then A and x in one more round, and the store.
+    tok0 = tl.load(order_ptr + start, mask=count > 0, other=0).to(tl.int64)
+    toks = _tile_tokens(order_ptr, start, count, BLOCK_M, DOT)
+    phys0 = _first_rows(pt, slot, PAGE, MAX_PAGES, BLOCK_R)
     # count 0: a tile slot past the step's last; rank 0: an adapter without this pool's module
     if (count > 0) & (rank > 0):
         kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         k_mask = kk < K
         v_plane = v_ptr + kb * stride_vk + s * stride_vs
         if not (DOT and count > 1):  # without DOT the dot path is not compiled
-            _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, kk, k_mask, a_ptr, a_off, stride_ar, pt, slot,
-                         rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
+            _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, tok0, kk, k_mask, a_ptr, a_off, stride_ar,
+                         phys0, pt, slot, rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
         else:
-            _shrink_dot(x_ptr, stride_xt, order_ptr, start, count, kb * BLOCK_K, K, a_ptr, a_off, stride_ar, pt,
-                        slot, rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R, BLOCK_K, DOT_K,
+            _shrink_dot(x_ptr, stride_xt, toks, count, kb * BLOCK_K, K, a_ptr, a_off, stride_ar, phys0, pt, slot,
+                        rank, v_plane, stride_vt, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R, BLOCK_K, DOT_K,
                         PRECISION)  # fmt: skip
 
 
@@ -155,61 +213,95 @@ def _b_block(b_blk, r_mask, n_ok, RAGGED: tl.constexpr):
 
 
 @triton.jit
-def _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
-                 page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
-                 PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                 RAGGED: tl.constexpr):  # fmt: skip
-    # A token at a time: y[tok, nn] += scale * sum_r v[r] * B^T[r, nn], in float32.
-    offs_r = tl.arange(0, BLOCK_R)
-    for m in range(0, count):
-        tok = tl.load(order_ptr + start + m).to(tl.int64)
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            rr = r0 + offs_r
-            r_mask = rr < rank
-            phys = _rows(page_table_ptr, slot, rr, r_mask, PAGE, MAX_PAGES)
-            vs = _v_sum(v_slice + tok * stride_vt + rr, stride_vk, r_mask, SPLIT, SPLIT_P2)  # [BR]
-            bt = _b_block(bt_ptr + phys[:, None] * stride_br + nn[None, :], r_mask, n_ok, RAGGED)  # [BR, BN]
-            acc += tl.sum(bt.to(tl.float32) * vs[:, None], axis=0)
-        y_ptrs = y_ptr + tok * stride_yt + nn + dy
-        if RAGGED:
-            yv = tl.load(y_ptrs, mask=n_ok)
-            tl.store(y_ptrs, (yv.to(tl.float32) + acc * scale).to(yv.dtype), mask=n_ok)
-        else:
-            yv = tl.load(y_ptrs)
-            tl.store(y_ptrs, (yv.to(tl.float32) + acc * scale).to(yv.dtype))
+def _y_load(y_ptrs, mask, RAGGED: tl.constexpr):
+    """y at ``y_ptrs``; only a ragged slice masks columns (``mask``)."""
+    if RAGGED:
+        yv = tl.load(y_ptrs, mask=mask)
+    else:
+        yv = tl.load(y_ptrs)
+    return yv
 
 
 @triton.jit
-def _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
-                page_table_ptr, slot, rank, scale, n0, c_end, dy, SPLIT: tl.constexpr, PAGE: tl.constexpr,
-                MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                DOT_N: tl.constexpr, RAGGED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
-    # The tile's tokens together: each block of B^T is read once for all of them. Columns [n0, n0 + BLOCK_N)
-    # in a loop of DOT_N-column pieces, so that the MMA operands and accumulator stay small in registers.
+def _expand_token(v_slice, stride_vk, stride_vt, tok, bt0, bt_ptr, stride_br, y_ptr, stride_yt, pt, slot, rank,
+                  scale, nn, n_ok, dy, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, PAGE: tl.constexpr,
+                  MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr, RAGGED: tl.constexpr):  # fmt: skip
+    # y[tok, nn] += scale * sum_r v[tok, r] * B^T[r, nn], in float32; bt0: B^T's first rank chunk. y is read
+    # in the same round as v, not after the sum.
     offs_r = tl.arange(0, BLOCK_R)
-    offs_m = tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    tok = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)  # [BM]
-    for p0 in range(0, BLOCK_N, DOT_N):
+    y_ptrs = y_ptr + tok * stride_yt + nn + dy
+    yv = _y_load(y_ptrs, n_ok, RAGGED)
+    vs = _v_sum(v_slice + tok * stride_vt + offs_r, stride_vk, offs_r < rank, SPLIT, SPLIT_P2)  # [BR]
+    acc = tl.sum(bt0.to(tl.float32) * vs[:, None], axis=0)  # [BN]
+    for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks above BLOCK_R
+        rr = r0 + offs_r
+        r_mask = rr < rank
+        phys = _rows(pt, slot, rr, r_mask, PAGE, MAX_PAGES)
+        vs = _v_sum(v_slice + tok * stride_vt + rr, stride_vk, r_mask, SPLIT, SPLIT_P2)
+        bt = _b_block(bt_ptr + phys[:, None] * stride_br + nn[None, :], r_mask, n_ok, RAGGED)  # [BR, BN]
+        acc += tl.sum(bt.to(tl.float32) * vs[:, None], axis=0)
+    out = (yv.to(tl.float32) + acc * scale).to(yv.dtype)
+    if RAGGED:
+        tl.store(y_ptrs, out, mask=n_ok)
+    else:
+        tl.store(y_ptrs, out)
+
+
+@triton.jit
+def _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count, tok0,
+                 phys0, pt, slot, rank, scale, nn, n_ok, dy, SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr,
+                 PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr,
+                 RAGGED: tl.constexpr):  # fmt: skip
+    # A token at a time, in float32. B^T's first rank chunk is read once for the tile's tokens, in the same
+    # round of loads as the first token's v and y.
+    bt0 = _b_block(bt_ptr + phys0[:, None] * stride_br + nn[None, :], tl.arange(0, BLOCK_R) < rank, n_ok,
+                   RAGGED)  # [BR, BN]  # fmt: skip
+    _expand_token(v_slice, stride_vk, stride_vt, tok0, bt0, bt_ptr, stride_br, y_ptr, stride_yt, pt, slot, rank,
+                  scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE, MAX_PAGES, BLOCK_R, RAGGED)  # fmt: skip
+    for m in range(1, count):
+        tok = tl.load(order_ptr + start + m).to(tl.int64)
+        # B^T again (a cache hit): holding the first chunk across the loop would double the registers
+        bt = _b_block(
+            bt_ptr + phys0[:, None] * stride_br + nn[None, :], tl.arange(0, BLOCK_R) < rank, n_ok, RAGGED
+        )
+        _expand_token(v_slice, stride_vk, stride_vt, tok, bt, bt_ptr, stride_br, y_ptr, stride_yt, pt, slot, rank,
+                      scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE, MAX_PAGES, BLOCK_R, RAGGED)  # fmt: skip
+
+
+@triton.jit
+def _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, toks, count, phys0, pt, slot,
+                rank, scale, n0, c_end, dy, SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_N: tl.constexpr,
+                RAGGED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    # The tile's tokens together: each block of B^T is read once for all of them. Columns [n0, n0 + BLOCK_N)
+    # in DOT_N-column pieces (small MMA operands and accumulator), unrolled so that their loads of B^T and
+    # y can be in flight at once; the first rank chunk's v is summed once for all pieces.
+    offs_r = tl.arange(0, BLOCK_R)
+    m_mask = tl.arange(0, BLOCK_M) < count
+    r_mask0 = offs_r < rank
+    vs0 = _v_sum2(v_slice + toks[:, None] * stride_vt + offs_r[None, :], stride_vk, m_mask[:, None] & r_mask0[None, :],
+                  SPLIT)  # [BM, BR]  # fmt: skip
+    vs0 = (vs0 * scale).to(bt_ptr.dtype.element_ty)  # the scale rides on v, as in _expand_tile
+    for p0 in tl.static_range(0, BLOCK_N, DOT_N):
         nn = n0 + p0 + tl.arange(0, DOT_N)  # [DN]
         n_ok = nn < c_end
-        acc = tl.zeros((BLOCK_M, DOT_N), dtype=tl.float32)
-        for r0 in range(0, rank, BLOCK_R):
-            rr = r0 + offs_r
-            r_mask = rr < rank
-            phys = _rows(page_table_ptr, slot, rr, r_mask, PAGE, MAX_PAGES)
-            vs = _v_sum2(v_slice + tok[:, None] * stride_vt + rr[None, :], stride_vk,
-                         m_mask[:, None] & r_mask[None, :], SPLIT)  # [BM, BR]  # fmt: skip
-            vs = (vs * scale).to(bt_ptr.dtype.element_ty)  # the scale rides on v, as in _expand_tile
-            bt = _b_block(bt_ptr + phys[:, None] * stride_br + nn[None, :], r_mask, n_ok, RAGGED)  # [BR, DN]
-            acc = tl.dot(vs, bt, acc=acc, input_precision=PRECISION)
-        y_ptrs = y_ptr + tok[:, None] * stride_yt + (nn + dy)[None, :]
+        y_ptrs = y_ptr + toks[:, None] * stride_yt + (nn + dy)[None, :]
         if RAGGED:
             y_mask = m_mask[:, None] & n_ok[None, :]
         else:
             y_mask = m_mask[:, None]
         yt = tl.load(y_ptrs, mask=y_mask)
+        bt = _b_block(bt_ptr + phys0[:, None] * stride_br + nn[None, :], r_mask0, n_ok, RAGGED)  # [BR, DN]
+        acc = tl.dot(vs0, bt, out_dtype=tl.float32, input_precision=PRECISION)  # [BM, DN]
+        for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks above BLOCK_R
+            rr = r0 + offs_r
+            r_mask = rr < rank
+            phys = _rows(pt, slot, rr, r_mask, PAGE, MAX_PAGES)
+            vs = _v_sum2(v_slice + toks[:, None] * stride_vt + rr[None, :], stride_vk,
+                         m_mask[:, None] & r_mask[None, :], SPLIT)  # [BM, BR]  # fmt: skip
+            vs = (vs * scale).to(bt_ptr.dtype.element_ty)
+            bt = _b_block(bt_ptr + phys[:, None] * stride_br + nn[None, :], r_mask, n_ok, RAGGED)  # [BR, DN]
+            acc = tl.dot(vs, bt, acc=acc, input_precision=PRECISION)
         tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
 
 
@@ -245,17 +337,22 @@ def _expand_decode_kernel(
     slot = tl.load(tiles_ptr + tile * 3)
     start = tl.load(tiles_ptr + tile * 3 + 1)
     count = tl.load(tiles_ptr + tile * 3 + 2)
+    # As in the shrink: one round of loads for what follows from the tile alone, then B^T, v and y in one
+    # more round, then the store.
     rank = tl.load(ranks_ptr + slot)
+    scale = tl.load(scales_ptr + slot)
+    tok0 = tl.load(order_ptr + start, mask=count > 0, other=0).to(tl.int64)
+    toks = _tile_tokens(order_ptr, start, count, BLOCK_M, DOT)
+    phys0 = _first_rows(page_table_ptr, slot, PAGE, MAX_PAGES, BLOCK_R)
     if (count > 0) & (rank > 0):
-        scale = tl.load(scales_ptr + slot)
         n_ok = nn < c_end  # only ragged slices use it
         v_slice = v_ptr + sl * stride_vs
         if not (DOT and count > 1):  # without DOT the dot path is not compiled
             _expand_rows(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start,
-                         count, page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE, MAX_PAGES,
-                         BLOCK_R, BLOCK_N, RAGGED)  # fmt: skip
+                         count, tok0, phys0, page_table_ptr, slot, rank, scale, nn, n_ok, dy, SPLIT, SPLIT_P2, PAGE,
+                         MAX_PAGES, BLOCK_R, RAGGED)  # fmt: skip
         else:
-            _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, order_ptr, start, count,
+            _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, toks, count, phys0,
                         page_table_ptr, slot, rank, scale, n0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R,
                         BLOCK_N, DOT_N, RAGGED, PRECISION)  # fmt: skip
 
