@@ -1,4 +1,4 @@
-"""Decode-shaped shrink and expand: every program makes one round of loads, none loops over columns.
+"""Decode-shaped shrink and expand: no program loops over columns; each makes two rounds of loads.
 
 A decode step's tiles hold one token each when its adapters are distinct (the case that costs most), and
 then the general kernels (triton_kernels.py) spend their time on latency, not bytes: each program walks
@@ -14,6 +14,10 @@ A one-token tile takes a vector path (multiply and reduce in float32, no 16-row 
 several tokens of one adapter takes ``tl.dot`` (``LaunchConfig.decode_dot``), so that adapter's A and B
 are read once for all of them, or the vector path a token at a time. With the dot path both are in the
 kernel behind a run-time test, since a captured CUDA graph serves any batch.
+
+Such a program's time is its chain of dependent loads, not its bytes: so everything that follows from the
+tile alone (rank, scale, first token, the first rank chunk's page rows) is asked for in one round, then
+A or B^T, x or v, and y in a second, then the store.
 Argument lists are the general kernels' (``triton_ops.shrink_args`` / ``expand_args``), so the plans of
 triton_apply.py launch either.
 """
@@ -28,29 +32,18 @@ import triton.language as tl
 from loraplane.kernels.fast_launch import FastLaunch
 from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least
 from loraplane.kernels.metadata import LoRABatchMeta
-from loraplane.kernels.triton_helpers import _aligned, _chunk_of, _pick_rt, _pool_of_slice, _rows
+from loraplane.kernels.triton_helpers import (
+    _aligned,
+    _chunk_of,
+    _first_rows,
+    _pick_rt,
+    _pool_of_slice,
+    _rows,
+    _tile_tokens,
+)
 from loraplane.kernels.triton_ops import _precision, expand_geometry
 
 __all__ = ["decode_expand_launch", "decode_shrink_launch", "decode_split"]
-
-
-@triton.jit
-def _first_rows(pt, slot, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Physical rows of ``slot``'s first BLOCK_R rank rows, asked for before its rank is known (rows past
-    the rank are masked where A or B^T is read)."""
-    offs_r = tl.arange(0, BLOCK_R)
-    return _rows(pt, slot, offs_r, offs_r < MAX_PAGES * PAGE, PAGE, MAX_PAGES)
-
-
-@triton.jit
-def _tile_tokens(order_ptr, start, count, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
-    """The tile's rows [BM] (int64) for the dot path; without DOT nothing is read."""
-    offs_m = tl.arange(0, BLOCK_M)
-    if DOT:
-        toks = tl.load(order_ptr + start + offs_m, mask=offs_m < count, other=0).to(tl.int64)
-    else:
-        toks = offs_m.to(tl.int64)
-    return toks
 
 
 @triton.jit

@@ -74,3 +74,22 @@ def _chunk_of(c, N_CHUNK: tl.constexpr, NUM_SLICES: tl.constexpr, CB1: tl.conste
     sl = _slice_of(c, NUM_SLICES, CB1, CB2, CB3)
     c0 = c * N_CHUNK + _pick(sl, OFF0, OFF1, OFF2, OFF3)
     return sl, c0, _pick(sl, END0, END1, END2, END3), _pick(sl, DY0, DY1, DY2, DY3)
+
+
+@triton.jit
+def _first_rows(pt, slot, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Physical rows of ``slot``'s first BLOCK_R rank rows, asked for before its rank is known (rows past
+    the rank are masked where A or B^T is read)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    return _rows(pt, slot, offs_r, offs_r < MAX_PAGES * PAGE, PAGE, MAX_PAGES)
+
+
+@triton.jit
+def _tile_tokens(order_ptr, start, count, BLOCK_M: tl.constexpr, DOT: tl.constexpr):
+    """The tile's rows [BM] (int64) for the dot path; without DOT nothing is read."""
+    offs_m = tl.arange(0, BLOCK_M)
+    if DOT:
+        toks = tl.load(order_ptr + start + offs_m, mask=offs_m < count, other=0).to(tl.int64)
+    else:
+        toks = offs_m.to(tl.int64)
+    return toks
