@@ -58,7 +58,7 @@ RANKS = (8, 16, 32, 64)
 BACKGROUND = 64  # the full decode batch of other tenants (8 with --quick)
 sys.path.insert(0, str(HERE))
 from peft_anchor import peft_row  # noqa: E402
-from probes import StepClock, triton_compiled  # noqa: E402
+from probes import StepClock, launch_counts, launches_since, triton_compiled  # noqa: E402
 from resident import decode_under_loads, dump_profile, start_profile  # noqa: E402
 from summary import report  # noqa: E402
 from workload import (  # noqa: E402
@@ -193,12 +193,13 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
             ms, stages, steps = [], [], []
             for _ in range(samples):
                 key = await cold(tier)
-                start, compiled = time.perf_counter(), triton_compiled()
+                start, compiled, launched = time.perf_counter(), triton_compiled(), launch_counts()
                 ms.append(await first_token_ms(engine, prompt, key))
                 steps.append(
                     {
                         **clock.window(start, time.perf_counter() + 1e-3),
                         "compiles": triton_compiled() - compiled,
+                        "launches": launches_since(launched),
                     }
                 )
                 stages.append(manager.info(key).timings if key else {})
@@ -258,6 +259,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
         b.slora_adapters[alpha] = adapters
         working = sum(b.adapter_bytes(RANKS[int(a[1:].split("@")[0]) % 4]) for a in set(adapters))
         before, compiled, t_start = dict(manager.tier_stats()), triton_compiled(), time.perf_counter()
+        launched = launch_counts()
         r = await serve_trace(engine, arrivals, prompts, lens_out, adapters, manager.tier_of)
         loads = [manager.info(k).timings for k, v in manager.versions.items() if "disk_read" in v.timings]
         rows.append({"case": f"S-LoRA trace {label} alpha={alpha} ({n} req, {b.args.rate}/s, {b.args.adapters} adapters)",
@@ -267,7 +269,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
                      "load_read_ms_p50": _p50(loads, "disk_read"), "load_hash_ms_p50": _p50(loads, "disk_hash"),
                      "load_stack_ms_p50": _p50(loads, "disk_stack"),
                      "arena_misses": manager.arena_misses, "triton_compiles": triton_compiled() - compiled,
-                     **clock.window(t_start, time.perf_counter())})  # fmt: skip
+                     "launches": launches_since(launched), **clock.window(t_start, time.perf_counter())})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -8,6 +8,13 @@ import time
 import numpy as np
 
 from loraplane.kernels.compiles import triton_compiled  # noqa: F401 - re-exported for the bench modules
+from loraplane.kernels.fast_launch import launch_counts
+
+
+def launches_since(before: dict[str, int]) -> dict[str, int]:
+    """LoRA kernel launches since ``before`` (``launch_counts()``): ``direct`` through the recorded
+    launcher, ``triton`` through Triton's per-call binding (tens of microseconds of host time each)."""
+    return {k: v - before.get(k, 0) for k, v in launch_counts().items()}
 
 
 class StepClock:

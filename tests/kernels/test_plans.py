@@ -223,6 +223,7 @@ def test_a_later_step_reuses_the_recorded_launcher(monkeypatch):
 
     fn = _FakeJit()
     x = torch.zeros(16)
+    before = fast_launch.launch_counts()
     _fast(monkeypatch, fn)(x, 32, x)
     assert fn.bindings == 2
     again = fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 16, "MODE": "x"}, num_warps=4)
@@ -231,3 +232,5 @@ def test_a_later_step_reuses_the_recorded_launcher(monkeypatch):
     other = fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 32, "MODE": "x"}, num_warps=4)
     other(x, 48, x)  # other compile-time values: another kernel, through Triton
     assert fn.bindings == 4
+    after = fast_launch.launch_counts()  # what benchmarks report per window
+    assert (after["triton"] - before["triton"], after["direct"] - before["direct"]) == (2, 1)

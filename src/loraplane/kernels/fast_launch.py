@@ -17,9 +17,19 @@ import os
 
 import torch
 
-__all__ = ["FastLaunch"]
+__all__ = ["FastLaunch", "launch_counts"]
 
 _ENABLED = os.environ.get("LORAPLANE_TRITON_FAST_LAUNCH", "1") != "0"
+
+_COUNTS = {"direct": 0, "triton": 0}
+"""Launches so far: ``direct`` called the recorded launcher, ``triton`` went through Triton's binding (a
+first launch, a new specialization, or the fast path off). Benchmarks report both per window: a step
+whose launches all go through Triton spends a multiple of its host time on it."""
+
+
+def launch_counts() -> dict[str, int]:
+    """A copy of the launch counters (``direct`` / ``triton``)."""
+    return dict(_COUNTS)
 
 
 def _unset(hook) -> bool:
@@ -78,6 +88,7 @@ class FastLaunch:
     def __call__(self, *args) -> None:
         if self._run is not None and _signature(args) == self._sig and _no_hooks():
             run, function, packed = self._run
+            _COUNTS["direct"] += 1
             g = self.grid
             # No launch metadata and no hooks: the launcher then calls nothing back into Python.
             run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, _current_stream(self._device),
@@ -99,6 +110,7 @@ class FastLaunch:
             except (AttributeError, TypeError):
                 kernel = None
         slot = _launcher_slot(kernel) if kernel is not None else None
+        _COUNTS["triton"] += 1  # below, one launch through Triton's binding
         if slot is None:
             self.fn[self.grid](*args, **self.constexprs, **self.options)
             return
