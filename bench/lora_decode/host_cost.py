@@ -1,0 +1,66 @@
+"""Host time of an eager LoRA step, launches left out: what the plans and their arguments cost the CPU.
+
+The engine's layout on the Llama-3-8B shape (probe.py's pools, one r16 all-module adapter), 32 layers x 4
+ops on the CPU, each FastLaunch call replaced by a counter: the time is the launch plans (one per op and
+step), the launch configs (``pick_config``, per call in probe.Step) and the per-layer arguments, not the
+launches themselves (a direct launch adds the C launcher's few microseconds each; one through Triton's
+binding, tens). Compare with the churn bench's per-sample ``launches`` counts.
+
+    PYTHONPATH=src python bench/lora_decode/host_cost.py
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from probe import OPS, SHAPES, Step, ranks_of
+
+from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, fast_launch
+
+CASES = {"prefill T=256, 1 adapter": (256, [(0, 256)]), "64 tokens, 1 adapter": (64, [(0, 1)] * 64)}
+
+
+def small_pools(dev) -> dict[str, LoRAPool]:
+    """One r16 adapter in every module's pool (room for a few: the host cost does not depend on it)."""
+    pools = {}
+    for m, (i, o) in SHAPES.items():
+        spec = {m: ModuleSpec(i, (o,))}
+        page = LoRAPool.page_bytes_for(spec, 32, 1, torch.bfloat16)
+        p = LoRAPool(spec, 32, 40 * page, page_rank=1, max_rank=64, max_adapters=8, dtype=torch.bfloat16,
+                     device=dev)  # fmt: skip
+        p.allocate(16, 1.0, slot=0)
+        pools[m] = p
+    return pools
+
+
+def main() -> None:
+    launches = [0]
+
+    def counted(self, *args) -> None:
+        launches[0] += 1
+
+    fast_launch.FastLaunch.__call__ = counted  # this process only: nothing is launched
+    dev = torch.device("cpu")
+    pools = small_pools(dev)
+    ranks = ranks_of(pools)
+    for name, (tokens, reqs) in CASES.items():
+        times = []
+        for _ in range(7):
+            meta = LoRABatchMeta(tokens, dev, tile_m=16, capture=False, max_rank=64).build(reqs, ranks)
+            step = Step(pools, meta, dev)
+            step.x = {op: torch.zeros(tokens, SHAPES[OPS[op][0]][0], dtype=torch.bfloat16) for op in OPS}
+            step.y = {op: torch.zeros(tokens, sum(SHAPES[m][1] for m in OPS[op]), dtype=torch.bfloat16)
+                      for op in OPS}  # fmt: skip
+            launches[0] = 0
+            start = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - start) * 1e3)
+        print(
+            f"{name}: {statistics.median(times):.2f} ms host a step (median of 7), {launches[0]} launches left out"
+        )
+
+
+if __name__ == "__main__":
+    main()
