@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -106,6 +108,29 @@ def test_lru_eviction_respects_pins_and_in_use(tmp_path, client, adapters, keys,
     assert cache.used_bytes() <= budget
     cache.unpin(v1.digest)
     assert cache.stats()["evictions"] == 2
+    assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
+
+
+def test_a_pull_waits_for_room_held_in_use_and_never_for_pinned_room(
+    tmp_path, client, adapters, keys, base_hash, retry
+):
+    """A burst of pulls into a budget of one version: the second waits for the first one's use (its load)
+    to end, then takes its room. Room that pinned versions hold is never waited for."""
+    weights = adapters["v1"][1].manifest.files["adapter_model.safetensors"].size
+    config = adapters["v1"][1].manifest.files["adapter_config.json"].size
+    cache = HostCache(tmp_path / "cache", config + weights + 100, client, retry=retry, room_wait_s=30)
+    v1 = pull_from(cache, adapters["v1"][0], keys, base_hash, acquire=True)  # its load is under way
+    done_loading = threading.Timer(0.3, cache.release, args=(v1.digest,))
+    done_loading.start()
+    v2 = pull_from(cache, adapters["v2"][0], keys, base_hash)
+    done_loading.join()
+    assert v2.path.exists() and not v1.path.exists()
+    cache.pin(v2.digest)
+    started = time.monotonic()
+    with pytest.raises(E.ArtifactError) as err:
+        pull_from(cache, adapters["v3"][0], keys, base_hash)
+    assert err.value.reason == E.CACHE_FULL
+    assert time.monotonic() - started < 10  # failed at once, not after the 30 s wait
     assert_cache_holds_only_verified(tmp_path / "cache", keys.trusted)
 
 

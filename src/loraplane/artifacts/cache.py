@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Mapping
 from contextlib import suppress
@@ -106,10 +107,17 @@ class HostCache(BlobStore):
         retry: S3.RetryPolicy | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         verify_on_hit: bool = True,
+        room_wait_s: float = 0.0,
     ):
         if budget_bytes <= 0:
             raise ValueError("HostCache.budget_bytes must be positive")
+        if room_wait_s < 0:
+            raise ValueError("HostCache.room_wait_s must be >= 0")
         self.budget_bytes = budget_bytes
+        # A pull that finds the budget held by adapters in use (being loaded: the use ends on its own) waits
+        # up to this long for them, instead of failing a burst of pulls that the budget serves one after
+        # another. Room held by pinned adapters is never waited for.
+        self.room_wait_s = room_wait_s
         self.max_file_bytes = max_file_bytes
         super().__init__(root, s3_client, retry=retry, verify_on_hit=verify_on_hit)
 
@@ -157,7 +165,7 @@ class HostCache(BlobStore):
                 return local
             self._count("misses")
             bucket, _ = S3.parse_s3_uri(uri)
-            self._make_room(self._missing_bytes(verified.manifest), keep=hex_)
+            self._make_room(verified.manifest, keep=hex_)
             self._assemble(hex_, verified, bucket, policy)
             local = self._open_local(hex_, trusted_keys, policy, acquire, rehash=False)
         if local is None:  # evicted by someone else in between: rare, and a fresh pull fixes it
@@ -233,25 +241,42 @@ class HostCache(BlobStore):
 
     # --- budget and eviction -------------------------------------------------------------------------
 
-    def _make_room(self, need: int, keep: str) -> None:
+    def _make_room(self, manifest: Manifest, keep: str) -> None:
+        need = self._missing_bytes(manifest)
         if need > self.budget_bytes:
             raise E.ArtifactError(
                 E.CACHE_FULL, f"needs {need} bytes, the budget is {self.budget_bytes}", "cache"
             )
-        with flock(self.root / "locks" / "cache.lock"):
-            self._drop_orphan_blobs()
-            for hex_ in self._lru_order():
-                if self.used_bytes() + need <= self.budget_bytes:
+        deadline = time.monotonic() + self.room_wait_s
+        while True:
+            with flock(self.root / "locks" / "cache.lock"):
+                self._drop_orphan_blobs()
+                for hex_ in self._lru_order():
+                    if self.used_bytes() + need <= self.budget_bytes:
+                        return
+                    if hex_ != keep:
+                        self._evict_if_idle(hex_)
+                used = self.used_bytes()
+                if used + need <= self.budget_bytes:
                     return
-                if hex_ != keep:
-                    self._evict_if_idle(hex_)
-            used = self.used_bytes()
-            if used + need > self.budget_bytes:
+                pinned = self._pinned_bytes()
+            if pinned + need > self.budget_bytes or time.monotonic() >= deadline:
                 raise E.ArtifactError(
                     E.CACHE_FULL,
                     f"needs {need} bytes; {used} of {self.budget_bytes} are held by pinned or in-use adapters",
                     "cache",
                 )
+            time.sleep(0.05)  # outside the cache lock: the adapters in use end their loads meanwhile
+            need = self._missing_bytes(manifest)  # a pull beside this one may have brought shared blobs
+
+    def _pinned_bytes(self) -> int:
+        """Bytes of the pinned adapters' files (a blob two of them share counts twice: an upper bound)."""
+        total = 0
+        for entry in os.scandir(self.root / "adapters"):
+            if entry.is_dir() and self.is_pinned("sha256:" + entry.name):
+                with suppress(FileNotFoundError):
+                    total += sum(f.stat().st_size for f in os.scandir(entry.path) if f.is_file())
+        return total
 
     def _lru_order(self) -> list[str]:
         entries = [(e.stat().st_mtime, e.name) for e in os.scandir(self.root / "adapters") if e.is_dir()]

@@ -29,6 +29,7 @@ from loraplane.http.adapters import LoadSpec
 
 log = logging.getLogger("loraplane.serve.sources")
 DEFAULT_HOST_CACHE_BYTES = 16 << 30
+ROOM_WAIT_S = 10.0  # a pull into a cache held by loads under way waits for them (artifacts.cache.HostCache)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,8 @@ class S3Source:
     def create(cls, cache_dir: str | Path, budget_bytes: int | None, trusted_keys, info_fn) -> S3Source:
         from loraplane.artifacts.cache import HostCache
 
-        cache = HostCache(Path(cache_dir) / "adapters", budget_bytes or DEFAULT_HOST_CACHE_BYTES)
+        cache = HostCache(Path(cache_dir) / "adapters", budget_bytes or DEFAULT_HOST_CACHE_BYTES,
+                          room_wait_s=ROOM_WAIT_S)  # fmt: skip
         return cls(cache, trusted_keys, info_fn)
 
     def pull(self, spec: LoadSpec) -> LocalPull:
