@@ -47,6 +47,13 @@ __all__ = ["decode_expand_launch", "decode_shrink_launch", "decode_split"]
 
 
 @triton.jit
+def _a_block(a_ptr, a_off, stride_ar, phys, kk, r_mask, k_mask):
+    """[BR, BK] of A: rank rows ``phys`` (physical), input columns ``kk``."""
+    return tl.load(a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :], mask=r_mask[:, None] & k_mask[None, :],
+                   other=0.0)  # fmt: skip
+
+
+@triton.jit
 def _shrink_token(x_ptr, stride_xt, tok, kk, k_mask, at0, a_ptr, a_off, stride_ar, pt, slot, rank, v_plane,
                   stride_vt, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_R: tl.constexpr):  # fmt: skip
     # v[tok, r] = sum_k A[r, k] x[tok, k] over this program's columns, in float32; at0: A's first rank chunk.
@@ -58,8 +65,7 @@ def _shrink_token(x_ptr, stride_xt, tok, kk, k_mask, at0, a_ptr, a_off, stride_a
         rr = r0 + offs_r
         r_mask = rr < rank
         phys = _rows(pt, slot, rr, r_mask, PAGE, MAX_PAGES)
-        at = tl.load(a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :], mask=r_mask[:, None] & k_mask[None, :],
-                     other=0.0)  # [BR, BK]  # fmt: skip
+        at = _a_block(a_ptr, a_off, stride_ar, phys, kk, r_mask, k_mask)  # [BR, BK]
         tl.store(v_plane + tok * stride_vt + rr, tl.sum(at.to(tl.float32) * xv[None, :], axis=1), mask=r_mask)
 
 
@@ -69,16 +75,14 @@ def _shrink_rows(x_ptr, stride_xt, order_ptr, start, count, tok0, kk, k_mask, a_
                  BLOCK_R: tl.constexpr):  # fmt: skip
     # A token at a time: multiply and reduce (a one-token tile pads nothing). A's first rank chunk is read
     # once for the tile's tokens, in the same round of loads as the first token's x.
-    offs_r = tl.arange(0, BLOCK_R)
-    at0 = tl.load(a_ptr + a_off + phys0[:, None] * stride_ar + kk[None, :],
-                  mask=(offs_r < rank)[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]  # fmt: skip
+    r_mask = tl.arange(0, BLOCK_R) < rank
+    at0 = _a_block(a_ptr, a_off, stride_ar, phys0, kk, r_mask, k_mask)  # [BR, BK]
     _shrink_token(x_ptr, stride_xt, tok0, kk, k_mask, at0, a_ptr, a_off, stride_ar, pt, slot, rank, v_plane,
                   stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
     for m in range(1, count):
         tok = tl.load(order_ptr + start + m).to(tl.int64)
         # A again (a cache hit): holding the first chunk across the loop would double the registers
-        at = tl.load(a_ptr + a_off + phys0[:, None] * stride_ar + kk[None, :],
-                     mask=(offs_r < rank)[:, None] & k_mask[None, :], other=0.0)  # [BR, BK]  # fmt: skip
+        at = _a_block(a_ptr, a_off, stride_ar, phys0, kk, r_mask, k_mask)
         _shrink_token(x_ptr, stride_xt, tok, kk, k_mask, at, a_ptr, a_off, stride_ar, pt, slot, rank, v_plane,
                       stride_vt, PAGE, MAX_PAGES, BLOCK_R)  # fmt: skip
 
@@ -95,8 +99,7 @@ def _shrink_dot_chunk(x_ptr, stride_xt, toks, m_mask, k0, K, a_ptr, a_off, strid
         k_mask = kk < K
         xt = tl.load(x_ptr + toks[:, None] * stride_xt + kk[None, :], mask=m_mask[:, None] & k_mask[None, :],
                      other=0.0)  # [BM, DK]  # fmt: skip
-        at = tl.load(a_ptr + a_off + phys[:, None] * stride_ar + kk[None, :], mask=r_mask[:, None] & k_mask[None, :],
-                     other=0.0)  # [BR, DK]  # fmt: skip
+        at = _a_block(a_ptr, a_off, stride_ar, phys, kk, r_mask, k_mask)  # [BR, DK]
         acc = tl.dot(xt, tl.trans(at), acc=acc, input_precision=PRECISION)
     return acc
 
