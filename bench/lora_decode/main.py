@@ -113,15 +113,15 @@ def lora_bytes(runner: ModelRunner, adapters) -> int:
     return sum(runner.lora.gpu.bytes_of[k] for k in keys)
 
 
-# CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default. {"overlap": False}:
-# each shrink after its base GEMM on one stream (the default runs it beside the GEMM, kernels/overlap.py);
-# {"fused": True}: one launch per projection (kernels/triton_fused.py); {"decode": True, ...}: the decode-shaped
-# kernels (kernels/triton_decode.py), tiles of several tokens by tl.dot or (decode_dot False) a token at a time.
+# CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default (the decode-shaped
+# kernels, kernels/triton_decode.py, 512 input columns a shrink program and 1024 output columns an expand
+# program). {"decode": False}: the general kernels shaped by DECODE_TABLE; "decode_k": wider shrink blocks;
+# "decode_dot": False takes tiles of several tokens a token at a time.
 SWEEP = (
+    {"decode": False},
     {},
-    {"decode": True},
-    {"decode": True, "decode_dot": False},
-    {"decode": True, "decode_dot": False, "decode_k": 256},
+    {"decode_k": 1024},
+    {"decode_dot": False},
 )
 
 

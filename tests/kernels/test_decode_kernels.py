@@ -115,3 +115,29 @@ def test_gpu_graph_replays_new_batches(module, dot):
         replay_checked(module, 4, ((57, 1), (64, 16), (9, 3)))
     finally:
         set_capture_policy(**dataclasses.asdict(old))
+
+
+def test_captured_decode_takes_the_decode_kernels_by_default_no_wider_than_a_slice():
+    """The default policy: captured decode launches take the decode kernels, 1024 output columns a program
+    where the widest slice has as many, and no more than the widest slice otherwise."""
+    assert capture_policy() == CapturePolicy()
+    captured = LoRABatchMeta(64, "cpu", tile_m=16, capture=True, max_rank=16)
+    wide = pick_config(captured, 4096, (14336, 14336), torch.bfloat16)
+    assert wide.decode and wide.block_n == wide.n_chunk == CapturePolicy().decode_n == 1024
+    narrow = pick_config(captured, 64, (48, 16), torch.float32)
+    assert narrow.decode and narrow.block_n == 64
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU Triton needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("per_req", [1, 3])
+def test_default_blocks_on_a_ragged_wide_slice(per_req):
+    """The default policy's blocks (512 inputs, 1024 outputs a program) over a slice of 2,049 columns that
+    starts at column 5: two full column blocks and a masked one, inputs fewer than one block."""
+    assert capture_policy() == CapturePolicy()
+    spec = ModuleSpec(40, (2049,), slice_starts=(5,), y_width=2059)
+    bank = Bank(spec, (1, 8, 37, 64) * (3 if per_req == 1 else 1), torch.float32)
+    b = bank.batch(bank.requests(12, per_req), capacity=16, capture=True)
+    assert pick_config(b.meta, 40, (2049,), torch.float32).block_n == 1024
+    y = b.y0.clone()
+    lora_apply(y, b.x, bank.pool, 0, "m", b.meta, backend="triton")
+    check(bank, b, y)

@@ -28,11 +28,12 @@ SHAPES = {
 
 @pytest.fixture
 def policy():
-    """Set capture-policy fields for one test; the old policy comes back after it."""
+    """Set capture-policy fields for one test, over the general kernels (the table shapes them, not the
+    decode kernels); the old policy comes back after it."""
     old = capture_policy()
 
     def set_fields(**fields):
-        set_capture_policy(**{**dataclasses.asdict(old), **fields})
+        set_capture_policy(**{**dataclasses.asdict(old), "decode": False, **fields})
 
     yield set_fields
     set_capture_policy(**dataclasses.asdict(old))

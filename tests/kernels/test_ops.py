@@ -129,7 +129,7 @@ def test_triton_captured_launch_policy_same_result(policy):
     column chunks and split-K; same result, rows past the batch untouched; uncaptured launches ignore it."""
     case = make_case(num_tokens=9, num_adapters=4, ranks=MIXED, capture=True, capacity=16, max_rank=128)
     spec = case.pool.modules["qkv"]
-    old = set_capture_policy(**policy)
+    old = set_capture_policy(decode=False, **policy)  # the general kernels' launch fields
     try:
         cfg = pick_config(case.meta, spec.in_dim, spec.out_dims, torch.float32)
         assert cfg.tile_programs == policy.get("tile_programs", 0)

@@ -79,8 +79,9 @@ class CapturePolicy:
     programs once their tile's shrink is complete) instead of a shrink and an expand launch.
     ``overlap``: where the caller passes its base GEMM (``lora_apply(..., base=)``), the shrink runs on a
     side stream beside it (``overlap.py``) instead of after it.
-    ``decode``: the decode-shaped kernels (``triton_decode``), with ``decode_k`` input columns per shrink
-    program and ``decode_n`` output columns per expand program (powers of two, >= 16); ``decode_dot``: tiles
+    ``decode`` (on by default): the decode-shaped kernels (``triton_decode``), with ``decode_k`` input
+    columns per shrink program and ``decode_n`` output columns per expand program (powers of two, >= 16;
+    no wider than the widest slice); off, ``table`` and the fields above shape the general kernels; ``decode_dot``: tiles
     of several tokens of one adapter take ``tl.dot`` (else the one-token path, a token at a time); ``fused``
     wins.
     """
@@ -91,9 +92,13 @@ class CapturePolicy:
     table: bool = True
     fused: bool = False
     overlap: bool = True
-    decode: bool = False
+    decode: bool = True
     decode_k: int = 512
-    decode_n: int = 256
+    # 1024 columns at 4 warps: each thread holds a whole rank column of its 8 outputs, so the expand sums
+    # over the rank inside a thread. Narrower blocks at 4 warps split the rank across threads and reduce
+    # through shared memory with bank conflicts (Nsight Compute, gate_up at 256 columns: 91% of its shared
+    # wavefronts excessive, 25% of DRAM bandwidth; at 1024: 74%).
+    decode_n: int = 1024
     decode_dot: bool = True
 
     def __post_init__(self) -> None:
@@ -177,7 +182,12 @@ def pick_config(
     j = shrink_block_r * slices_p2  # width of shrink's A tile; keep its pipelined stages in shared memory
     block_k = (128 if j <= 128 else 64) if not prefill else (64 if j <= 64 else 32)
     if prefill:
-        split = 2  # run 2 sweep: 10-20% over split 1 at T=8192
+        # At least 2 (run 2 sweep: 10-20% over split 1 at T=8192), and more until every SM has a program:
+        # with 8 adapters at T=2048 (32 tiles) two splits gave 64 programs for 132 SMs, and the shrink ran
+        # at 2-3x its bytes (bench/lora_decode/prefill_probe.py). Each program keeps >= 4 K tiles.
+        split = 2
+        while split < 16 and tiles_bound * split < sms and in_dim // (split * 2) >= 4 * block_k:
+            split *= 2
     else:
         # Split K so each program reads ~256 (tiny batches) to ~1024 columns of A; planes summed by expand.
         k_per = policy.k_per_program or (256 if tiles_bound <= FEW_TILES else 1024)
@@ -219,9 +229,10 @@ def pick_config(
         if policy.n_chunk:
             n_chunk = max(block_n, min(policy.n_chunk, 2048, widest))
     if meta.capture and policy.decode and not policy.fused and not prefill:
+        dn = min(policy.decode_n, pow2_at_least(max(out_dims), 16))  # no wider than the widest slice
         return LaunchConfig(
-            block_r=block_r, shrink_block_r=shrink_block_r, block_k=policy.decode_k, block_n=policy.decode_n,
-            n_chunk=policy.decode_n, decode=True, decode_dot=policy.decode_dot, num_stages=1,
+            block_r=block_r, shrink_block_r=shrink_block_r, block_k=policy.decode_k, block_n=dn,
+            n_chunk=dn, decode=True, decode_dot=policy.decode_dot, num_stages=1,
         )  # fmt: skip
     if meta.capture and policy.table and not policy.n_chunk and meta.capacity >= DECODE_TABLE_MIN_CAPACITY:
         tuned = DECODE_TABLE.get((in_dim, tuple(out_dims)), {})
