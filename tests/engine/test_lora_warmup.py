@@ -81,7 +81,7 @@ def test_plan_reaches_every_launch_shape_a_step_can_pick(max_rank, monkeypatch):
     slots = 160
     free = list(range(slots))
     warmed = set()
-    for kind, rank, reqs in warm_plan(max_rank, KINDS, free):
+    for kind, rank, reqs in warm_plan(max_rank, KINDS, free, sms=132):
         capacity, tile_m = KINDS[kind]
         ranks = [0] * slots
         for s, _ in reqs:

@@ -136,6 +136,22 @@ DECODE_TABLE: dict[tuple[int, tuple[int, ...]], dict[str, int]] = {
 
 # Decode steps of at most this many tiles split shrink's K finer (more programs for a small batch).
 FEW_TILES = 16
+PREFILL_MAX_SPLIT = 16
+
+
+def prefill_split_bounds(sms: int) -> tuple[int, ...]:
+    """The tile counts at which a prefill's shrink split changes on ``sms`` SMs (pick_config splits K
+    while tiles x split < sms): the first count of each split class, 2 up to PREFILL_MAX_SPLIT."""
+    out, split = [], 2
+    while split < PREFILL_MAX_SPLIT:
+        out.append(-(-sms // split))
+        split *= 2
+    return tuple(out)
+
+
+def num_sms(device: torch.device) -> int:
+    """The device's SM count (4 for a CPU: the interpreter's stand-in), as pick_config sees it."""
+    return _num_sms(device)
 
 
 def capture_policy() -> CapturePolicy:
@@ -186,7 +202,9 @@ def pick_config(
         # with 8 adapters at T=2048 (32 tiles) two splits gave 64 programs for 132 SMs, and the shrink ran
         # at 2-3x its bytes (bench/lora_decode/prefill_probe.py). Each program keeps >= 4 K tiles.
         split = 2
-        while split < 16 and tiles_bound * split < sms and in_dim // (split * 2) >= 4 * block_k:
+        while (
+            split < PREFILL_MAX_SPLIT and tiles_bound * split < sms and in_dim // (split * 2) >= 4 * block_k
+        ):
             split *= 2
     else:
         # Split K so each program reads ~256 (tiny batches) to ~1024 columns of A; planes summed by expand.

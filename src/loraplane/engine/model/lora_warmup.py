@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan
-from loraplane.kernels.launch_config import FEW_TILES
+from loraplane.kernels.launch_config import FEW_TILES, num_sms, prefill_split_bounds
 
 # pick_config's rank classes: its rank tile (block_r) is 16, 32 or 64 rows; larger ranks loop 64-row tiles.
 RANK_CLASSES = (16, 32, 64)
@@ -32,9 +32,10 @@ def rank_classes(max_rank: int) -> list[int]:
     return out
 
 
-def tile_counts(max_tiles: int) -> list[int]:
-    """Tile counts at which to warm: the powers of two up to ``max_tiles``, ``max_tiles``, and the first
-    count past decode's few-tiles split of K.
+def tile_counts(max_tiles: int, bounds: tuple[int, ...] = ()) -> list[int]:
+    """Tile counts at which to warm: the powers of two up to ``max_tiles``, ``max_tiles``, the first
+    count past decode's few-tiles split of K, and each of ``bounds`` (a prefill's split classes begin there,
+    ``prefill_split_bounds``) with the count below it.
 
     For widths that are multiples of 16, pick_config's column chunk doubles as the tile count about doubles:
     each of its classes is an interval [a, b) of tile counts with b >= 2a - 1 (integer division), cut at the
@@ -46,6 +47,9 @@ def tile_counts(max_tiles: int) -> list[int]:
         counts.add(t)
         t *= 2
     counts |= {c for c in (FEW_TILES + 1, max_tiles) if 1 <= c <= max_tiles}
+    # The split classes cut the column-chunk classes: a piece at a class's edge holds its first count b or
+    # the count below the next class's first; any other piece is a whole chunk class, warmed above.
+    counts |= {c for b in bounds for c in (b - 1, b) if 1 <= c <= max_tiles}
     return sorted(counts)
 
 
@@ -69,13 +73,15 @@ def max_tiles(capacity: int, tile_m: int, slots: int) -> int:
     return 0 if groups == 0 else groups - 1 + -(-(capacity - groups + 1) // tile_m)
 
 
-def warm_plan(max_rank: int, kinds: dict[str, tuple[int, int]], free_slots: list[int]):
-    """(kind, rank, requests) per warm-up forward. ``kinds``: step kind -> (token capacity, tile_m)."""
+def warm_plan(max_rank: int, kinds: dict[str, tuple[int, int]], free_slots: list[int], sms: int = 0):
+    """(kind, rank, requests) per warm-up forward. ``kinds``: step kind -> (token capacity, tile_m);
+    ``sms``: the device's SM count, where a prefill's (64-row tiles) split of K changes."""
     plan = []
     for kind, (capacity, tile_m) in kinds.items():
         reachable = max_tiles(capacity, tile_m, len(free_slots))
+        bounds = prefill_split_bounds(sms) if tile_m >= 64 and sms else ()
         for rank in rank_classes(max_rank):
-            for tiles in tile_counts(reachable):
+            for tiles in tile_counts(reachable, bounds):
                 reqs = requests_for_tiles(tiles, tile_m, free_slots, capacity)
                 if reqs:
                     plan.append((kind, rank, reqs))
@@ -115,7 +121,7 @@ def warm_lora_kernels(runner, kinds: tuple[str, ...]) -> int:
     free = [s for s in range(tiers.gpu.num_slots) if tiers.gpu.ranks[s] == 0][: cfg.max_num_seqs]
     builders = {k: m for k, m in tiers.step_metadata().items() if k in kinds}
     plan = warm_plan(cfg.max_lora_rank, {k: (min(m.capacity, tokens), m.tile_m) for k, m in builders.items()},
-                     free)  # fmt: skip
+                     free, num_sms(device))  # fmt: skip
     sets = module_sets(state.pools, cfg.lora_graph_module_sets)
     for kind, rank, reqs in plan:
         ranks = list(tiers.gpu.ranks)
