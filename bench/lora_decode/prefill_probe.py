@@ -27,12 +27,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from probe import MAX_RANK, OPS, SHAPES, L, build_pools, copy_gbs, graph_of, ranks_of, replay_ms  # noqa: E402
+from probe import MAX_RANK, OPS, SHAPES, L, Step, build_pools, copy_gbs, graph_of, ranks_of, replay_ms  # noqa: E402
 
 from loraplane.kernels import LoRABatchMeta  # noqa: E402
-from loraplane.kernels.launch_config import pick_config  # noqa: E402
 from loraplane.kernels.overlap import beside_stream  # noqa: E402
-from loraplane.kernels.triton_apply import lora_apply_pools_triton, lora_apply_triton  # noqa: E402
 
 T, SEQS, RANK = 2048, 8, 16
 
@@ -47,23 +45,22 @@ def variants() -> list[tuple[str, object]]:
         ("block_n=128", lambda c: rep(c, block_n=128, n_chunk=max(128, c.n_chunk))),
         ("n_chunk=512", lambda c: rep(c, n_chunk=max(512, c.block_n))),
         ("warps=8", lambda c: rep(c, num_warps=8)),
-        ("stages=3", lambda c: rep(c, num_stages=3)),
+        ("stages=2", lambda c: rep(c, num_stages=2)),
     ]
 
 
 class PrefillOp:
-    """One op over 32 layers: the base GEMM, its LoRA ops, or both (x, y and W shared by the layers)."""
+    """One op over 32 layers: the base GEMM, its LoRA ops (probe.Step's launches), or both (x, y and W
+    shared by the layers)."""
 
     def __init__(self, op, pools, meta, dev, over=None):
-        mods = OPS[op]
-        self.op, self.pools, self.meta, self.mods = op, pools, meta, mods
-        self.k, self.n = SHAPES[mods[0]][0], sum(SHAPES[m][1] for m in mods)
-        self.x = torch.randn(T, self.k, device=dev, dtype=torch.bfloat16) * 0.1  # [T, K]
-        self.y = torch.empty(T, self.n, device=dev, dtype=torch.bfloat16)  # [T, N]
+        self.op, self.mods = op, OPS[op]
+        self.step = Step(pools, meta, dev, ops=(op,), cfgs={op: over} if over else None)
+        self.k, self.n = SHAPES[self.mods[0]][0], sum(SHAPES[m][1] for m in self.mods)
+        self.x = self.step.x[op] = torch.randn(T, self.k, device=dev, dtype=torch.bfloat16) * 0.1  # [T, K]
+        self.y = self.step.y[op] = torch.empty(T, self.n, device=dev, dtype=torch.bfloat16)  # [T, N]
         self.w = torch.randn(self.n, self.k, device=dev, dtype=torch.bfloat16) * 0.02  # [N, K]
-        cfg = pick_config(meta, self.k, tuple(SHAPES[m][1] for m in mods), torch.bfloat16)
-        self.cfg = over(cfg) if over else cfg
-        self.plans: dict = {}
+        self.cfg = self.step.cfg(op)
 
     def gemm(self):
         for _ in range(L):
@@ -71,31 +68,17 @@ class PrefillOp:
 
     def lora(self):
         for layer in range(L):
-            self._lora(layer)
+            self.step.apply(self.op, layer)
 
     def both(self):
         for layer in range(L):
             torch.mm(self.x, self.w.t(), out=self.y)
-            self._lora(layer)
+            self.step.apply(self.op, layer)
 
     def beside(self):
         side = beside_stream(self.x.device)
         for layer in range(L):
-            self._lora(layer, lambda: torch.mm(self.x, self.w.t(), out=self.y), side)
-
-    def _lora(self, layer, base=None, side=None):
-        mods, meta, key = self.mods, self.meta, (self.op, self.cfg)
-        if len(mods) > 1:
-            starts = tuple(sum(SHAPES[m][1] for m in mods[:i]) for i in range(len(mods)))
-            pools = tuple(self.pools[m] for m in mods)
-            lora_apply_pools_triton(self.y, self.x, pools, mods, starts, layer, meta, self.cfg, self.plans, key,
-                                    base, side)  # fmt: skip
-            return
-        p, m = self.pools[mods[0]], mods[0]
-        tables = (p.page_table, p.ranks, p.scales, p.page_rank, p.max_rank)
-        spec = p.modules[m]
-        lora_apply_triton(self.y, self.x, p.a[(layer, m)], p.bt[(layer, m)], tables, spec.out_dims,
-                          spec.slice_starts, meta, self.cfg, self.plans, key, None, base, side)  # fmt: skip
+            self.step.apply(self.op, layer, lambda: torch.mm(self.x, self.w.t(), out=self.y), side)
 
     def lora_bytes(self) -> int:
         """Bytes the LoRA kernels of one layer must move: x once, y twice, A and B of SEQS r16 adapters."""

@@ -103,7 +103,8 @@ class Step:
             for op in self.ops:
                 self.apply(op, layer)
 
-    def apply(self, op, layer):
+    def apply(self, op, layer, base=None, side=None):
+        """``base``/``side``: the base GEMM and the stream its shrink runs on beside it (triton_apply)."""
         mods, x, y, meta = OPS[op], self.x[op], self.y[op], self.meta
         cfg = self.cfg(op)
         key = (op, cfg)
@@ -113,14 +114,29 @@ class Step:
             for m in mods:
                 starts.append(c)
                 c += SHAPES[m][1]
-            lora_apply_pools_triton(y, x, pools, mods, tuple(starts), layer, meta, cfg, self.plans, key)
+            lora_apply_pools_triton(
+                y, x, pools, mods, tuple(starts), layer, meta, cfg, self.plans, key, base, side
+            )
         else:
             p = self.pools[mods[0]]
             tables = (p.page_table, p.ranks, p.scales, p.page_rank, p.max_rank)
             spec = p.modules[mods[0]]
             a, bt = p.a[(layer, mods[0])], p.bt[(layer, mods[0])]
             lora_apply_triton(
-                y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg, self.plans, key
+                y,
+                x,
+                a,
+                bt,
+                tables,
+                spec.out_dims,
+                spec.slice_starts,
+                meta,
+                cfg,
+                self.plans,
+                key,
+                None,
+                base,
+                side,
             )
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loraplane.kernels import LoRABatchMeta, launch_config
-from loraplane.kernels.launch_config import _num_sms, pick_config, prefill_split_bounds
+from loraplane.kernels.launch_config import num_sms, pick_config, prefill_split_bounds
 
 RANKS = [16] * 8
 
@@ -22,7 +22,7 @@ def _prefill(tokens_per_adapter: int, adapters: int) -> LoRABatchMeta:
 def test_prefill_shrink_splits_until_every_sm_has_a_program(tokens, adapters, in_dim):
     meta = _prefill(tokens, adapters)
     cfg = pick_config(meta, in_dim, (4096,), torch.bfloat16)
-    tiles, sms = meta.host_num_tiles, _num_sms(meta.device)
+    tiles, sms = meta.host_num_tiles, num_sms(meta.device)
     assert cfg.split_k >= 2
     if cfg.split_k > 2:  # it split further only while some SM had no program
         assert tiles * cfg.split_k // 2 < sms

@@ -272,10 +272,9 @@ class HostCache(BlobStore):
     def _pinned_bytes(self) -> int:
         """Bytes of the pinned adapters' files (a blob two of them share counts twice: an upper bound)."""
         total = 0
-        for entry in os.scandir(self.root / "adapters"):
-            if entry.is_dir() and self.is_pinned("sha256:" + entry.name):
-                with suppress(FileNotFoundError):
-                    total += sum(f.stat().st_size for f in os.scandir(entry.path) if f.is_file())
+        for pin in os.scandir(self.root / "pins"):  # a pin may name a version not (or no longer) cached
+            with suppress(FileNotFoundError):
+                total += sum(f.stat().st_size for f in os.scandir(self._folder(pin.name)) if f.is_file())
         return total
 
     def _lru_order(self) -> list[str]:

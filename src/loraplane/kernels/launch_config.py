@@ -140,8 +140,8 @@ PREFILL_MAX_SPLIT = 16
 
 
 def prefill_split_bounds(sms: int) -> tuple[int, ...]:
-    """The tile counts at which a prefill's shrink split changes on ``sms`` SMs (pick_config splits K
-    while tiles x split < sms): the first count of each split class, 2 up to PREFILL_MAX_SPLIT."""
+    """The tile counts at which a prefill's shrink split changes on ``sms`` SMs: pick_config splits K while
+    tiles x split < sms, so split s holds from ceil(sms / s) tiles up, for s = 2 up to PREFILL_MAX_SPLIT / 2."""
     out, split = [], 2
     while split < PREFILL_MAX_SPLIT:
         out.append(-(-sms // split))
@@ -202,9 +202,9 @@ def pick_config(
         # with 8 adapters at T=2048 (32 tiles) two splits gave 64 programs for 132 SMs, and the shrink ran
         # at 2-3x its bytes (bench/lora_decode/prefill_probe.py). Each program keeps >= 4 K tiles.
         split = 2
-        while (
-            split < PREFILL_MAX_SPLIT and tiles_bound * split < sms and in_dim // (split * 2) >= 4 * block_k
-        ):
+        for first in prefill_split_bounds(sms):  # below a split class's first tile count: split once more
+            if tiles_bound >= first or in_dim // (split * 2) < 4 * block_k:
+                break
             split *= 2
     else:
         # Split K so each program reads ~256 (tiny batches) to ~1024 columns of A; planes summed by expand.
