@@ -278,11 +278,15 @@ def run(argv: list[str]) -> dict:
     for n in (2, 4, 8, 16, 32):
         decode(f"{n} distinct r16 all modules", [f"d{i % n}@v1" for i in range(B)])
     # -- prefill T = 2048 --
-    for case, ads, merge in (("prefill T=2048, 8 distinct r16", [f"d{i}@v1" for i in range(8)], False),
-                             ("prefill T=2048, 1 adapter r16, merged", ["d0@v1"] * 8, True),
-                             ("prefill T=2048, 1 adapter r16, unmerged", ["d0@v1"] * 8, False)):  # fmt: skip
+    eight = [f"d{i}@v1" for i in range(8)]
+    for case, ads, merge, first in (("prefill T=2048, 8 distinct r16", eight, False, True),
+                                    ("prefill T=2048, 8 distinct r16, GEMM first", eight, False, False),
+                                    ("prefill T=2048, 1 adapter r16, merged", ["d0@v1"] * 8, True, True),
+                                    ("prefill T=2048, 1 adapter r16, unmerged", ["d0@v1"] * 8, False, True)):  # fmt: skip
         nbytes = lora_bytes(runner, ads)
+        runner.lora_state.delta_first = first  # off: the GEMM into y, then the expand adds (reads y)
         ms = measure(runner, prefill_batch(runner, ads), median_ms, merge)
+        runner.lora_state.delta_first = True
         rows.append(row(case, ms, base_pre, nbytes, bw, base_pre * 1.10, section="prefill",
                         distinct=len(set(ads))))  # fmt: skip
     # -- what one merge costs: W' = W + delta for every projection (the merged weights dropped first) --

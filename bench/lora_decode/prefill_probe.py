@@ -7,8 +7,11 @@ that the host is out of the picture:
 - ``gemm``: the base projection alone (``torch.mm`` into y), and its FLOP rate;
 - ``lora``: the LoRA shrink and expand alone, with the eager prefill's launch shapes (``pick_config`` on a
   ``tile_m=64`` metadata, as the engine's prefill metadata), and each kernel's time from the profiler;
-- ``both``: the GEMM and then the LoRA ops, as a prefill layer runs them; ``beside``: the same with the
-  shrink on a side stream beside the GEMM (``CapturePolicy.overlap_eager``);
+- ``both``: the GEMM and then the LoRA ops, as a prefill layer ran them before delta-first; ``beside``: the
+  same with the shrink on a side stream beside the GEMM;
+- variant ``store``: ``delta_first``, as the engine's prefill runs them now: the LoRA ops write the delta
+  into an empty y (the expand never reads y) and the GEMM adds itself on top (``y.addmm_``, beta = 1);
+  ``gemm_acc``: that GEMM alone; ``lora``: the storing LoRA ops alone;
 - ``bytes_floor_us``: what the LoRA kernels must move (x read by the shrink, y read and written by the
   expand, A and B of the step's adapters) at the copy bandwidth measured in the same run.
 
@@ -40,6 +43,7 @@ def variants() -> list[tuple[str, object]]:
     rep = dataclasses.replace
     return [
         ("default", None),
+        ("store", lambda c: rep(c, store=True)),
         ("split_k=1", lambda c: rep(c, split_k=1)),
         ("split_k=4", lambda c: rep(c, split_k=4)),
         ("block_n=128", lambda c: rep(c, block_n=128, n_chunk=max(128, c.n_chunk))),
@@ -75,14 +79,25 @@ class PrefillOp:
             torch.mm(self.x, self.w.t(), out=self.y)
             self.step.apply(self.op, layer)
 
+    def gemm_acc(self):
+        for _ in range(L):
+            self.y.addmm_(self.x, self.w.t())
+
+    def delta_first(self):
+        for layer in range(L):
+            self.step.apply(self.op, layer)
+            self.y.addmm_(self.x, self.w.t())
+
     def beside(self):
         side = beside_stream(self.x.device)
         for layer in range(L):
             self.step.apply(self.op, layer, lambda: torch.mm(self.x, self.w.t(), out=self.y), side)
 
     def lora_bytes(self) -> int:
-        """Bytes the LoRA kernels of one layer must move: x once, y twice, A and B of SEQS r16 adapters."""
-        return 2 * (T * self.k + 2 * T * self.n + SEQS * RANK * (self.k * len(self.mods) + self.n))
+        """Bytes the LoRA kernels of one layer must move: x once, y twice (once when storing), A and B of
+        SEQS r16 adapters."""
+        y_passes = 1 if self.cfg.store else 2
+        return 2 * (T * self.k + y_passes * T * self.n + SEQS * RANK * (self.k * len(self.mods) + self.n))
 
 
 def kernel_us(fn) -> dict:
@@ -117,11 +132,15 @@ def main(argv=None) -> None:
     bw = copy_gbs(dev)
     res: dict = {"device": torch.cuda.get_device_name(), "copy_gbs": bw, "rows": []}
     for op in OPS:
-        for name, over in variants() if args.sweep else variants()[:1]:
+        for name, over in variants() if args.sweep else variants()[:2]:
             try:
                 po = PrefillOp(op, pools, meta, dev, over)
                 row = {"op": op, "variant": name, "cfg": repr(po.cfg)}
-                for part in ("gemm", "lora", "both", "beside") if name == "default" else ("lora",):
+                parts = {
+                    "default": ("gemm", "lora", "both", "beside"),
+                    "store": ("gemm_acc", "lora", "delta_first"),
+                }
+                for part in parts.get(name, ("lora",)):
                     row[f"{part}_us"] = round(replay_ms(graph_of(getattr(po, part)), 10) * 1e3 / L, 1)
             except Exception as e:  # noqa: BLE001 - a variant may not compile (shared memory)
                 row = {"op": op, "variant": name, "error": repr(e)[:200]}

@@ -6,7 +6,7 @@ metadata in fixed device buffers) and ``lora_apply`` (y += scale * x @ A^T @ B^T
 
 from loraplane.kernels.metadata import LoRABatchMeta
 from loraplane.kernels.module_spec import RANK_LIMIT, ModuleSpec, rank_error
-from loraplane.kernels.ops import lora_apply, lora_apply_many, lora_expand, lora_shrink
+from loraplane.kernels.ops import covers_every_row, lora_apply, lora_apply_many, lora_expand, lora_shrink
 from loraplane.kernels.pool import LoRAPool, PoolFullError, lora_scale
 
 __all__ = [
@@ -20,5 +20,6 @@ __all__ = [
     "lora_expand",
     "lora_scale",
     "lora_shrink",
+    "covers_every_row",
     "rank_error",
 ]

@@ -36,7 +36,9 @@ class LaunchConfig:
     ``decode``: the decode-shaped kernels (triton_decode.py): shrink programs of ``block_k`` input columns
     each (one v plane apiece; ``split_k`` unused), expand programs of ``block_n`` columns (``n_chunk``
     unused), no loop over either; ``decode_dot``: tiles of several tokens take ``tl.dot`` (else a token at a
-    time).
+    time). ``store``: the expand writes the delta instead of adding it (y's contents are ignored): the
+    caller's base GEMM adds itself on top afterwards (``ops.lora_apply(..., store=True)``); general
+    kernels only.
     """
 
     block_r: int = 16
@@ -49,6 +51,7 @@ class LaunchConfig:
     one_launch: bool = False
     decode: bool = False
     decode_dot: bool = True
+    store: bool = False
     shrink_programs: int = 1024  # upper bound on grid dim 0 x split for shrink
     expand_programs: int = 16384  # upper bound on grid dim 0 x dim 1 for expand
     tile_programs: int = 0  # upper bound on grid dim 0 (programs walk tiles g, g + G, ...); 0: none
@@ -64,6 +67,8 @@ class LaunchConfig:
             raise ValueError("LaunchConfig block sizes must be >= 16 (tl.dot's minimum)")
         if self.n_chunk < self.block_n:
             raise ValueError(f"LaunchConfig.n_chunk ({self.n_chunk}) must be >= block_n ({self.block_n})")
+        if self.store and (self.decode or self.one_launch):
+            raise ValueError("LaunchConfig.store is for the general expand (not decode or one_launch)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -156,6 +156,14 @@ class LoRABatchMeta:
             ]
         return self._groups
 
+    def rows_with_adapter(self) -> int:
+        """How many of the step's rows carry an adapter."""
+        return int(self._order.size)
+
+    def step_slots(self) -> list[int]:
+        """The distinct adapter slots of the step, ascending."""
+        return self._bounds[0].tolist()
+
     def build(self, requests: Sequence[tuple[int, int]], ranks: Sequence[int]) -> LoRABatchMeta:
         """Fill the buffers for one step. ``ranks[slot]`` is each slot's rank (``LoRAPool.host_ranks()``);
         a request naming a slot of rank 0 (free) is an error. Returns self.

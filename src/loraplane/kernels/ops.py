@@ -17,7 +17,7 @@ from loraplane.kernels.overlap import beside_stream
 from loraplane.kernels.pool import LoRAPool
 from loraplane.kernels.reference import expand_torch, shrink_torch
 
-__all__ = ["lora_apply", "lora_apply_many", "lora_expand", "lora_shrink"]
+__all__ = ["covers_every_row", "lora_apply", "lora_apply_many", "lora_expand", "lora_shrink"]
 
 
 def lora_shrink(
@@ -81,10 +81,14 @@ def lora_apply(
     backend: str = "auto",
     config=None,
     base: Callable[[], None] | None = None,
+    store: bool = False,
 ) -> torch.Tensor:
     """Semantics: for every token t with adapter a = token_slot[t] >= 0 and every slice s,
     y[t, c_s:c_s + w_s] += scale_a * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with c_s = slice_starts[s] and
-    w_s = out_dims[s]; other rows and columns unchanged (bit for bit).
+    w_s = out_dims[s]; other rows and columns unchanged (bit for bit). ``store``: ``=`` instead of ``+=``
+    (y's slice columns are not read), for a caller that adds its base GEMM on top afterwards
+    (``y.addmm_(x, W^T)``); every row of x must have an adapter with this module (``covers_every_row``),
+    else ValueError; eager launches only (no ``base``, no captured metadata).
 
     y: [T, spec.y_width] (the base projection's output, any float dtype of the pool), x: [T, in_dim],
     meta.num_tokens <= T <= meta.capacity (rows past num_tokens: no adapter). In place; returns y. ``config`` (a LaunchConfig)
@@ -97,23 +101,30 @@ def lora_apply(
         raise ValueError(f"y must be a row-contiguous [{x.shape[0]}, {spec.y_width}], got {tuple(y.shape)}")
     if y.dtype != pool.dtype:
         raise ValueError(f"y.dtype {y.dtype} differs from the pool's {pool.dtype}")
+    if store:
+        _check_store([(pool, module)], x, meta, base)
     if _use_triton(x, backend):
         from loraplane.kernels.triton_apply import lora_apply_triton
         from loraplane.kernels.triton_ops import pick_config
 
         tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
-        key = (id(pool), module, x.shape[0], x.stride(0), y.stride(0), config)
+        key = (id(pool), module, x.shape[0], x.stride(0), y.stride(0), config, store)
         plan, side = meta.plans.get(key), _side(x, meta, base)
         if plan is not None:  # every layer after the first of a step: launches only
             pt_b = getattr(pool, "page_table_b", None)
             return plan.run(y, x, a, bt, pool.page_table, pool.ranks, pool.scales, meta, pt_b, base, side)
         cfg = config or pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
+        if store:
+            cfg = dataclasses.replace(cfg, store=True)
         return lora_apply_triton(
             y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg, meta.plans, key,
             getattr(pool, "page_table_b", None), base, side,
         )  # fmt: skip
     if base is not None:
         base()
+    if store:
+        for c0, w in zip(spec.slice_starts, spec.out_dims, strict=True):
+            y[:, c0 : c0 + w].zero_()
     ranks = pool.host_ranks()
     v = shrink_torch(x, a, pool.page_table, ranks, meta, pool.page_rank, pool.max_rank)
     return expand_torch(
@@ -131,9 +142,10 @@ def lora_apply_many(
     *,
     backend: str = "auto",
     base: Callable[[], None] | None = None,
+    store: bool = False,
 ) -> torch.Tensor:
     """Semantics: for each (pool, module, c0) of ``targets``, ``lora_apply(y[:, c0:c0 + w], x, pool,
-    layer, module, meta)`` with w the module's width: several pools that share x and one slot
+    layer, module, meta, store=store)`` with w the module's width: several pools that share x and one slot
     numbering (the engine's q, k, v pools; gate, up), their outputs at disjoint column ranges of y.
 
     y: [T, >= every c0 + w] row-contiguous; x: [T, in_dim]. In place; returns y. On the Triton path
@@ -152,6 +164,8 @@ def lora_apply_many(
     for (_, e0), (b1, _) in zip(ordered, ordered[1:], strict=False):
         if b1 < e0:
             raise ValueError(f"targets' columns overlap: {ordered}")
+    if store:
+        _check_store([(p, m) for p, m, _ in targets], x, meta, base)
     if _use_triton(x, backend) and 1 < len(targets) <= 4 and _poolable(targets, layer):
         from loraplane.kernels.triton_apply import lora_apply_pools_triton
         from loraplane.kernels.triton_ops import pick_config
@@ -159,16 +173,47 @@ def lora_apply_many(
         pools = tuple(t[0] for t in targets)
         modules = tuple(t[1] for t in targets)
         starts = tuple(t[2] for t in targets)
-        key = ("pools", tuple(map(id, pools)), modules, starts, x.shape[0], x.stride(0), y.stride(0))
+        key = ("pools", tuple(map(id, pools)), modules, starts, x.shape[0], x.stride(0), y.stride(0), store)
         widths = tuple(p.modules[m].out_dims[0] for p, m in zip(pools, modules, strict=True))
         cfg = pick_config(meta, x.shape[1], widths, x.dtype) if key not in meta.plans else None
+        if cfg is not None and store:
+            cfg = dataclasses.replace(cfg, store=True)
         side = _side(x, meta, base)
         return lora_apply_pools_triton(
             y, x, pools, modules, starts, layer, meta, cfg, meta.plans, key, base, side
         )
     for k, ((pool, module, c0), (_, c1)) in enumerate(zip(targets, spans, strict=True)):
-        lora_apply(y[:, c0:c1], x, pool, layer, module, meta, backend=backend, base=None if k else base)
+        lora_apply(y[:, c0:c1], x, pool, layer, module, meta, backend=backend, base=None if k else base,
+                   store=store)  # fmt: skip
     return y
+
+
+def covers_every_row(meta: LoRABatchMeta, pool: LoRAPool, rows: int) -> bool:
+    """Whether each of ``rows`` rows has an adapter of rank > 0 in ``pool``: the step's metadata holds
+    exactly ``rows`` tokens, all with an adapter, and none of the step's adapters lacks this pool's
+    module. Worked out once per (step, pool) (kept in ``meta.plans``, dropped at the next build)."""
+    key = ("covers", id(pool), rows)
+    hit = meta.plans.get(key)
+    if hit is None:
+        ranks = pool.host_ranks()
+        hit = meta.plans[key] = (
+            meta.num_tokens == rows
+            and meta.rows_with_adapter() == rows
+            and all(ranks[s] > 0 for s in meta.step_slots())
+        )
+    return hit
+
+
+def _check_store(targets, x: torch.Tensor, meta: LoRABatchMeta, base) -> None:
+    """``store=True`` is sound only for eager launches whose every row gets a delta in every target."""
+    if base is not None or meta.capture:
+        raise ValueError("store=True is for eager launches without base (the caller's GEMM adds on top)")
+    for pool, module in targets:
+        if not covers_every_row(meta, pool, x.shape[0]):
+            raise ValueError(
+                f"store=True needs every row of x to have an adapter with module {module!r}; this step has rows "
+                "without one (they would keep y's old contents)"
+            )
 
 
 def _side(x: torch.Tensor, meta: LoRABatchMeta, base) -> torch.cuda.Stream | None:

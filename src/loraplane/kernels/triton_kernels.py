@@ -1,7 +1,8 @@
 """The Triton multi-LoRA shrink and expand kernels over a paged pool (see pool.py for the layout).
 
 Two launches per projection, no zero-fill: shrink writes every v entry that expand reads (split-K
-partials go to separate planes, summed by expand, so no atomics), and expand adds into y.
+partials go to separate planes, summed by expand, so no atomics), and expand adds into y (or, STORE,
+writes the delta into a y that the base GEMM then adds itself to: the expand then never reads y).
 Both grids are sized to useful work: dim 0 strides over the step's tiles (up to the capacity under a
 CUDA graph; tiles past the step's last have count 0 and are skipped), never over pool slots, so idle
 resident adapters cost nothing and rows without an adapter are in no tile.
@@ -124,10 +125,12 @@ def _expand_tile(
     page_table_ptr, c0, c_end, dy,
     SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, N_CHUNK: tl.constexpr, BLOCK_K: tl.constexpr,
-    FUSED: tl.constexpr, RAGGED: tl.constexpr, PRECISION: tl.constexpr,
+    FUSED: tl.constexpr, RAGGED: tl.constexpr, PRECISION: tl.constexpr, STORE: tl.constexpr,
 ):  # fmt: skip
     # Columns c of this chunk are packed B^T columns; y column = c + dy. RAGGED: the chunk may run past
-    # its slice's end c_end, so the loop stops there and the last column tile is masked.
+    # its slice's end c_end, so the loop stops there and the last column tile is masked. STORE: y holds
+    # nothing yet (the base GEMM adds itself on top afterwards), so the first rank chunk writes the delta
+    # without reading y (a masked-off load moves no bytes); later chunks of a rank above BLOCK_R add to it.
     offs_r = tl.arange(0, BLOCK_R)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -159,7 +162,10 @@ def _expand_tile(
                 bt = tl.load(b_rows[:, None] + nn[None, :], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
                 y_ptrs = y_rows[:, None] + (nn + dy)[None, :]
                 y_mask = m_mask[:, None] & n_mask[None, :]
-                yt = tl.load(y_ptrs, mask=y_mask)
+                if STORE:
+                    yt = tl.load(y_ptrs, mask=y_mask & (r0 > 0), other=0.0)
+                else:
+                    yt = tl.load(y_ptrs, mask=y_mask)
                 acc = tl.dot(vs, bt, acc=yt.to(tl.float32), input_precision=PRECISION)
                 tl.store(y_ptrs, acc.to(yt.dtype), mask=y_mask)
         else:
@@ -167,7 +173,10 @@ def _expand_tile(
                 nn = n0 + offs_n
                 bt = tl.load(b_rows[:, None] + nn[None, :], mask=r_mask[:, None], other=0.0)
                 y_ptrs = y_rows[:, None] + (nn + dy)[None, :]
-                yt = tl.load(y_ptrs, mask=m_mask[:, None])
+                if STORE:
+                    yt = tl.load(y_ptrs, mask=m_mask[:, None] & (r0 > 0), other=0.0)
+                else:
+                    yt = tl.load(y_ptrs, mask=m_mask[:, None])
                 acc = tl.dot(vs, bt, acc=yt.to(tl.float32), input_precision=PRECISION)
                 tl.store(y_ptrs, acc.to(yt.dtype), mask=m_mask[:, None])
 
@@ -185,6 +194,7 @@ def _expand_kernel(
     OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
     END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, END3: tl.constexpr,
     DY0: tl.constexpr, DY1: tl.constexpr, DY2: tl.constexpr, DY3: tl.constexpr, MULTI: tl.constexpr,
+    STORE: tl.constexpr,
 ):  # fmt: skip
     # program (g, c): tiles g, g+G, ...; column chunk c of one slice. Slice s owns chunks [CB_s, CB_s+1);
     # chunk c covers packed B^T columns c*N_CHUNK + OFF_s onwards, up to END_s, and y columns DY_s further
@@ -223,11 +233,11 @@ def _expand_kernel(
                 _expand_tile(
                     v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
                     slot, rank, scale, page_table_ptr, c0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_M, SMALL_R,
-                    BLOCK_N, N_CHUNK, BLOCK_K, FUSED, RAGGED, PRECISION,
+                    BLOCK_N, N_CHUNK, BLOCK_K, FUSED, RAGGED, PRECISION, STORE,
                 )  # fmt: skip
             else:
                 _expand_tile(
                     v_rows, stride_vk, x_rows, a_rows_base, stride_ar, K, bt_ptr, stride_br, y_rows, m_mask,
                     slot, rank, scale, page_table_ptr, c0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_M, BLOCK_R,
-                    BLOCK_N, N_CHUNK, BLOCK_K, FUSED, RAGGED, PRECISION,
+                    BLOCK_N, N_CHUNK, BLOCK_K, FUSED, RAGGED, PRECISION, STORE,
                 )  # fmt: skip

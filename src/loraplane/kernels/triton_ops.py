@@ -137,7 +137,7 @@ def expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABatchMeta
         NUM_SLICES=num_slices, SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1],
         BLOCK_M=meta.tile_m, SMALL_R=min(16, cfg.block_r), BLOCK_R=cfg.block_r, BLOCK_N=cfg.block_n,
         N_CHUNK=cfg.n_chunk, BLOCK_K=cfg.block_k, FUSED=cfg.fused, PRECISION=_precision(y.dtype), **geo,
-        Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)), MULTI=pools,
+        Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)), MULTI=pools, STORE=cfg.store,
     )  # fmt: skip
     return FastLaunch(_expand_kernel, (g, chunks), constexprs, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages)  # fmt: skip

@@ -21,7 +21,14 @@ from torch import nn
 from loraplane.engine.lora.weights import TARGET_MODULES, module_shapes
 from loraplane.engine.model.model import packed_output_sizes
 from loraplane.engine.model.model_config import ModelConfig
-from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, lora_apply, lora_apply_many
+from loraplane.kernels import (
+    LoRABatchMeta,
+    LoRAPool,
+    ModuleSpec,
+    covers_every_row,
+    lora_apply,
+    lora_apply_many,
+)
 
 # Which PEFT modules each wrapped projection packs, in column order.
 PROJECTIONS = {
@@ -41,6 +48,9 @@ class LoRAStepState:
         self.metas: dict[str, LoRABatchMeta | None] = dict.fromkeys(pools)
         # The step runs on the merged weights (merge.py): every token has the merged adapter, no LoRA op.
         self.merged = False
+        # Eager steps whose every token has an adapter write the delta first and let the base GEMM add
+        # itself on top (LoRALinear._delta_first): the expand then never reads y. A switch for benchmarks.
+        self.delta_first = True
 
 
 class LoRALinear(nn.Module):
@@ -70,15 +80,37 @@ class LoRALinear(nn.Module):
         live = [(module, c0, c1) for module, c0, c1 in self.slices if metas[module] is not None]
         if not live:
             return self.base_layer(x)
-        y, base = self._base_output(x, metas[live[0][0]].capture)
+        store = self._delta_first(x, live)
+        if store:
+            y, base = x.new_empty((x.shape[0], self.base_layer.out_features)), None  # [T, out_total]
+        else:
+            y, base = self._base_output(x, metas[live[0][0]].capture)
         if len(live) > 1 and all(metas[m] is metas[live[0][0]] for m, _, _ in live):
             # One shrink and one expand launch for q, k, v (gate, up): they share x and the step's metadata.
             targets = [(pools[m], m, c0) for m, c0, _ in live]
-            return lora_apply_many(y, x, targets, self.layer, metas[live[0][0]], base=base)
-        for module, c0, c1 in live:  # metas[module] None: no token of this step has this module
-            lora_apply(y[:, c0:c1], x, pools[module], self.layer, module, metas[module], base=base)
-            base = None
+            lora_apply_many(y, x, targets, self.layer, metas[live[0][0]], base=base, store=store)
+        else:
+            for module, c0, c1 in live:  # metas[module] None: no token of this step has this module
+                lora_apply(y[:, c0:c1], x, pools[module], self.layer, module, metas[module], base=base,
+                           store=store)  # fmt: skip
+                base = None
+        if store:  # y = x @ W^T + delta in one GEMM whose epilogue reads the delta (beta = 1)
+            y.addmm_(x, self.base_layer.weight.t())
         return y
+
+    def _delta_first(self, x: torch.Tensor, live) -> bool:
+        """Whether this eager step can write the delta into an empty y and let the base GEMM add itself on
+        top: every column of the projection belongs to a live module, every row has an adapter with each
+        of them, and the base is a plain bias-free nn.Linear. A prefill's expand then writes y once where
+        it would read and write it (gate_up at T = 2,048: 117 MB a layer not read), and the read moves into
+        the compute-bound GEMM's epilogue. Captured decode keeps the shrink-beside-GEMM form."""
+        state, base_layer = self.state, self.base_layer
+        meta = state.metas[live[0][0]]
+        if not state.delta_first or meta.capture or len(live) != len(self.slices) or x.dim() != 2:
+            return False
+        if type(base_layer) is not nn.Linear or base_layer.bias is not None:
+            return False
+        return all(covers_every_row(state.metas[m], state.pools[m], x.shape[0]) for m, _, _ in live)
 
     def _base_output(self, x: torch.Tensor, captured: bool):
         """(y, None) with y the base output; or, in a captured (decode graph) step on a plain nn.Linear, an
