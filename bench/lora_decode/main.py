@@ -121,6 +121,7 @@ SWEEP = (
     {"decode": False},
     {},
     {"decode_k": 1024},
+    {"decode_k": 256},
     {"decode_dot": False},
 )
 
