@@ -138,6 +138,7 @@ def test_warmup_touches_no_adapter(make_hf_model, tmp_path):
         for old, new in zip(pools[m], (p.ranks, p.scales, p.page_table), strict=True):
             assert torch.equal(old, new), m
     assert all(meta is None for meta in runner.lora_state.metas.values())
+    assert not runner.lora_state.force_store
     assert torch.equal(_logits(engine, [5, 6, 7, 8, 9]), before)
 
 

@@ -85,10 +85,11 @@ def lora_apply(
 ) -> torch.Tensor:
     """Semantics: for every token t with adapter a = token_slot[t] >= 0 and every slice s,
     y[t, c_s:c_s + w_s] += scale_a * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with c_s = slice_starts[s] and
-    w_s = out_dims[s]; other rows and columns unchanged (bit for bit). ``store``: ``=`` instead of ``+=``
-    (y's slice columns are not read), for a caller that adds its base GEMM on top afterwards
-    (``y.addmm_(x, W^T)``); every row of x must have an adapter with this module (``covers_every_row``),
-    else ValueError; eager launches only (no ``base``, no captured metadata).
+    w_s = out_dims[s]; other rows and columns unchanged (bit for bit). ``store``: the slices' columns of y
+    become the delta alone (0 in rows without an adapter with this module), for a caller that adds its
+    base GEMM on top afterwards (``y.addmm_(x, W^T)``); when every row has one (``covers_every_row``) y is
+    never read, else those columns are zeroed first; eager launches only (no ``base``, no captured
+    metadata).
 
     y: [T, spec.y_width] (the base projection's output, any float dtype of the pool), x: [T, in_dim],
     meta.num_tokens <= T <= meta.capacity (rows past num_tokens: no adapter). In place; returns y. ``config`` (a LaunchConfig)
@@ -102,7 +103,7 @@ def lora_apply(
     if y.dtype != pool.dtype:
         raise ValueError(f"y.dtype {y.dtype} differs from the pool's {pool.dtype}")
     if store:
-        _check_store([(pool, module)], x, meta, base)
+        _prepare_store(y, [(pool, module, 0)], x, meta, base)
     if _use_triton(x, backend):
         from loraplane.kernels.triton_apply import lora_apply_triton
         from loraplane.kernels.triton_ops import pick_config
@@ -122,7 +123,7 @@ def lora_apply(
         )  # fmt: skip
     if base is not None:
         base()
-    if store:
+    if store:  # the reference: the delta added to zeros
         for c0, w in zip(spec.slice_starts, spec.out_dims, strict=True):
             y[:, c0 : c0 + w].zero_()
     ranks = pool.host_ranks()
@@ -165,7 +166,7 @@ def lora_apply_many(
         if b1 < e0:
             raise ValueError(f"targets' columns overlap: {ordered}")
     if store:
-        _check_store([(p, m) for p, m, _ in targets], x, meta, base)
+        _prepare_store(y, targets, x, meta, base)
     if _use_triton(x, backend) and 1 < len(targets) <= 4 and _poolable(targets, layer):
         from loraplane.kernels.triton_apply import lora_apply_pools_triton
         from loraplane.kernels.triton_ops import pick_config
@@ -204,16 +205,17 @@ def covers_every_row(meta: LoRABatchMeta, pool: LoRAPool, rows: int) -> bool:
     return hit
 
 
-def _check_store(targets, x: torch.Tensor, meta: LoRABatchMeta, base) -> None:
-    """``store=True`` is sound only for eager launches whose every row gets a delta in every target."""
+def _prepare_store(y: torch.Tensor, targets, x: torch.Tensor, meta: LoRABatchMeta, base) -> None:
+    """Before a storing launch: refuse captured or ``base`` launches (the GEMM must come after), and zero
+    the columns of any target that some row gets no delta in (a row without an adapter, or an adapter
+    without the module), since the storing expand writes only the rows it has work for."""
     if base is not None or meta.capture:
         raise ValueError("store=True is for eager launches without base (the caller's GEMM adds on top)")
-    for pool, module in targets:
+    for pool, module, c0 in targets:
         if not covers_every_row(meta, pool, x.shape[0]):
-            raise ValueError(
-                f"store=True needs every row of x to have an adapter with module {module!r}; this step has rows "
-                "without one (they would keep y's old contents)"
-            )
+            spec = pool.modules[module]
+            for s0, w in zip(spec.slice_starts, spec.out_dims, strict=True):
+                y[:, c0 + s0 : c0 + s0 + w].zero_()
 
 
 def _side(x: torch.Tensor, meta: LoRABatchMeta, base) -> torch.cuda.Stream | None:

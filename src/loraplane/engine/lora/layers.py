@@ -51,6 +51,9 @@ class LoRAStepState:
         # Eager steps whose every token has an adapter write the delta first and let the base GEMM add
         # itself on top (LoRALinear._delta_first): the expand then never reads y. A switch for benchmarks.
         self.delta_first = True
+        # The warm-up's: store wherever the projection allows, rows without an adapter aside (ops zero
+        # those), so that the storing launches compile before serving.
+        self.force_store = False
 
 
 class LoRALinear(nn.Module):
@@ -110,7 +113,9 @@ class LoRALinear(nn.Module):
             return False
         if type(base_layer) is not nn.Linear or base_layer.bias is not None:
             return False
-        return all(covers_every_row(state.metas[m], state.pools[m], x.shape[0]) for m, _, _ in live)
+        return state.force_store or all(
+            covers_every_row(state.metas[m], state.pools[m], x.shape[0]) for m, _, _ in live
+        )
 
     def _base_output(self, x: torch.Tensor, captured: bool):
         """(y, None) with y the base output; or, in a captured (decode graph) step on a plain nn.Linear, an

@@ -9,6 +9,7 @@ stall every tenant (tens of compilations when ranks 8 to 64 and prompts of every
 The warm-up runs one forward per step kind, rank class, tile-count class and module family, no KV written,
 with the LoRA metadata of requests on free pool slots: the metadata builder sees the class's rank, while the
 device's rank table says 0 for a free slot, so the kernels compile and launch but read and write nothing.
+Each runs twice: GEMM first, then delta first (the storing expand of steps whose every row has an adapter).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def _spans(n: int, max_len: int) -> tuple[torch.Tensor, list[PrefillSpan]]:
 @torch.inference_mode()
 def warm_lora_kernels(runner, kinds: tuple[str, ...]) -> int:
     """Run the warm-up forwards of ``kinds`` (the runner's adapter tiers' metadata builders); returns how many
-    ran. Steps hold at most ``max_num_seqs`` groups and the profiled step size (profile_forward's) in tokens;
+    forwards ran. Steps hold at most ``max_num_seqs`` groups and the profiled step size (profile_forward's) in tokens;
     only slots free in every pool are used, so nothing an adapter holds is touched."""
     cfg, tiers, state, device = runner.config, runner.lora, runner.lora_state, runner.device
     tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * runner.max_model_len)
@@ -123,19 +124,32 @@ def warm_lora_kernels(runner, kinds: tuple[str, ...]) -> int:
     plan = warm_plan(cfg.max_lora_rank, {k: (min(m.capacity, tokens), m.tile_m) for k, m in builders.items()},
                      free, num_sms(device))  # fmt: skip
     sets = module_sets(state.pools, cfg.lora_graph_module_sets)
-    for kind, rank, reqs in plan:
-        ranks = list(tiers.gpu.ranks)
-        for slot, _ in reqs:
-            ranks[slot] = rank  # the builder's view only: the device rank table keeps 0 (no work)
-        meta = builders[kind].build(reqs, ranks)
-        n = sum(t for _, t in reqs)
-        ids = torch.arange(1, n + 1, device=device) % runner.vocab_size  # [n]
-        positions, spans = _spans(n, runner.max_model_len)
-        attn = AttentionMetadata(slot_mapping=torch.full((n,), -1, device=device), prefill=spans)
-        for modules in sets:
-            state.metas = {m: meta if modules is None or m in modules else None for m in state.pools}
-            runner.model(ids, positions.to(device), attn, torch.tensor([n - 1], device=device))
-    state.metas = dict.fromkeys(state.pools)
+    try:
+        for kind, rank, reqs in plan:
+            _warm_one(runner, builders[kind], rank, reqs, sets)
+    finally:
+        state.metas = dict.fromkeys(state.pools)
+        state.force_store = False
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return len(plan) * len(sets)
+    return 2 * len(plan) * len(sets)
+
+
+def _warm_one(runner, builder, rank: int, reqs: list[tuple[int, int]], sets) -> None:
+    """The warm-up forwards of one plan entry: each module set, GEMM first and then delta first (the
+    storing launches of a step whose every row has an adapter, ``LoRALinear._delta_first``; the free slots
+    here cover no row, so it is forced)."""
+    tiers, state, device = runner.lora, runner.lora_state, runner.device
+    ranks = list(tiers.gpu.ranks)
+    for slot, _ in reqs:
+        ranks[slot] = rank  # the builder's view only: the device rank table keeps 0 (no work)
+    meta = builder.build(reqs, ranks)
+    n = sum(t for _, t in reqs)
+    ids = torch.arange(1, n + 1, device=device) % runner.vocab_size  # [n]
+    positions, spans = _spans(n, runner.max_model_len)
+    attn = AttentionMetadata(slot_mapping=torch.full((n,), -1, device=device), prefill=spans)
+    for modules in sets:
+        state.metas = {m: meta if modules is None or m in modules else None for m in state.pools}
+        for force in (False, True):
+            state.force_store = force
+            runner.model(ids, positions.to(device), attn, torch.tensor([n - 1], device=device))
