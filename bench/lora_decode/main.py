@@ -286,8 +286,10 @@ def run(argv: list[str]) -> dict:
                                     ("prefill T=2048, 1 adapter r16, unmerged", ["d0@v1"] * 8, False, True)):  # fmt: skip
         nbytes = lora_bytes(runner, ads)
         runner.lora_state.delta_first = first  # off: the GEMM into y, then the expand adds (reads y)
-        ms = measure(runner, prefill_batch(runner, ads), median_ms, merge)
-        runner.lora_state.delta_first = True
+        try:
+            ms = measure(runner, prefill_batch(runner, ads), median_ms, merge)
+        finally:
+            runner.lora_state.delta_first = True
         rows.append(row(case, ms, base_pre, nbytes, bw, base_pre * 1.10, section="prefill",
                         distinct=len(set(ads))))  # fmt: skip
     # -- what one merge costs: W' = W + delta for every projection (the merged weights dropped first) --

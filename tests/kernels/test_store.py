@@ -68,9 +68,9 @@ def test_store_then_gemm_equals_gemm_then_add(backend):
 def test_store_zeroes_rows_without_an_adapter(backend):
     """A step with base-only rows cannot be covered by the storing expand alone: those rows' columns are
     zeroed (the delta is 0 there), the others hold the delta."""
-    case = make_case(num_tokens=12, num_adapters=2, ranks=(8, 16), module="qkv", no_adapter_frac=0.5)
-    rows = case.adapter_rows()
-    assert not rows.all() and not covers_every_row(case.meta, case.pool, 12)
+    case = make_case(num_tokens=48, num_adapters=2, ranks=(8, 16), module="qkv", no_adapter_frac=0.5)
+    rows = case.adapter_rows()  # 47 rows drawn base-only at 1/2 each: all with an adapter at 2^-47
+    assert not rows.all() and not covers_every_row(case.meta, case.pool, 48)
     y = torch.full_like(case.y0, float("nan"))
     lora_apply(y, case.x, case.pool, 0, "qkv", case.meta, backend=backend, store=True)
     assert torch.equal(y[~rows], torch.zeros_like(y[~rows]))
