@@ -63,7 +63,7 @@ def test_delta_first_matches_peft_and_gemm_first(setup, names):  # noqa: F811
     by_module: dict[str, set] = {}
     for first_module, t in taken:
         by_module.setdefault(first_module, set()).add(t)
-    if names is ALL_MODULES:
+    if names == ALL_MODULES:
         # every bias-free projection stores (qwen2's q, k, v carry a bias: GEMM first there)
         biased = engine.runner.model.model.layers[0].self_attn.qkv_proj.base_layer.bias is not None
         assert by_module["o_proj"] == by_module["gate_proj"] == by_module["down_proj"] == {True}

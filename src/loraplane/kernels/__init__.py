@@ -15,11 +15,11 @@ __all__ = [
     "LoRAPool",
     "ModuleSpec",
     "PoolFullError",
+    "covers_every_row",
     "lora_apply",
     "lora_apply_many",
     "lora_expand",
     "lora_scale",
     "lora_shrink",
-    "covers_every_row",
     "rank_error",
 ]

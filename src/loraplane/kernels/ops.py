@@ -165,11 +165,12 @@ def lora_apply_many(
     for (_, e0), (b1, _) in zip(ordered, ordered[1:], strict=False):
         if b1 < e0:
             raise ValueError(f"targets' columns overlap: {ordered}")
-    if store:
-        _prepare_store(y, targets, x, meta, base)
     if _use_triton(x, backend) and 1 < len(targets) <= 4 and _poolable(targets, layer):
         from loraplane.kernels.triton_apply import lora_apply_pools_triton
         from loraplane.kernels.triton_ops import pick_config
+
+        if store:  # (the per-target lora_apply below prepares its own columns)
+            _prepare_store(y, targets, x, meta, base)
 
         pools = tuple(t[0] for t in targets)
         modules = tuple(t[1] for t in targets)
