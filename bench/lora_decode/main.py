@@ -123,6 +123,7 @@ SWEEP = (
     {"decode_k": 1024},
     {"decode_k": 256},
     {"decode_dot": False},
+    {"pdl": True},
 )
 
 
@@ -136,11 +137,19 @@ def sweep_policies(runner: ModelRunner, cases: dict, median_ms, base_decode) -> 
     rows, best = [], (float("inf"), {})
     for policy in SWEEP:
         set_capture_policy(**policy)
-        recapture(runner, (B,))
-        base_ms = base_decode()
-        times = {
-            name: measure(runner, decode_batch(runner, ads), median_ms, False) for name, ads in cases.items()
-        }
+        try:
+            recapture(runner, (B,))
+            base_ms = base_decode()
+            times = {
+                name: measure(runner, decode_batch(runner, ads), median_ms, False)
+                for name, ads in cases.items()
+            }
+        except Exception as exc:  # a policy this device or Triton can't run: its row says why, the rest go on
+            rows.append(
+                {"case": f"sweep {policy}", "section": "sweep", "error": f"{type(exc).__name__}: {exc}"}
+            )
+            print(json.dumps(rows[-1]), flush=True)
+            continue
         rows.append({"case": f"sweep {policy or 'default'}", "section": "sweep", "base_step_ms": base_ms,
                      **{f"{k}_ms": v for k, v in times.items()}, "sum_x_base": sum(times.values()) / base_ms})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)

@@ -9,6 +9,7 @@ again) give the eager engine's greedy tokens, and each family served steps.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -23,6 +24,7 @@ from loraplane.engine.lora.weights import TARGET_MODULES  # noqa: E402
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan  # noqa: E402
 from loraplane.engine.model.cuda_graphs import lora_module_family  # noqa: E402
 from loraplane.kernels import LoRABatchMeta  # noqa: E402
+from loraplane.kernels.launch_config import capture_policy, set_capture_policy  # noqa: E402
 from tests.engine.peft_adapters import ADAPTER_SPECS, save_peft_adapter  # noqa: E402
 
 NAMES = ("r16", "qv", "pattern", "mlp")
@@ -111,9 +113,8 @@ def run_phases(engine: LLMEngine, phases) -> list[list[int]]:
     return out
 
 
-@pytest.mark.gpu
-def test_gpu_switching_families_equal_eager(setup):
-    base, folders = setup
+def switching_phases() -> list[list[tuple[list[int], str | None]]]:
+    """Requests whose steps need the q,v family, then all modules, then a partial set, q,v again, MLP."""
     rng = random.Random(5)
 
     def reqs(*adapters):
@@ -121,13 +122,19 @@ def test_gpu_switching_families_equal_eager(setup):
             (rng.choices(range(256), k=rng.randint(3, 9)), None if a is None else f"{a}@v1") for a in adapters
         ]
 
-    phases = [
+    return [
         reqs("qv", None, "qv"),
         reqs("r16", "qv", None),
         reqs("pattern", "qv"),
         reqs("qv", "qv"),
         reqs("mlp"),
     ]
+
+
+@pytest.mark.gpu
+def test_gpu_switching_families_equal_eager(setup):
+    base, folders = setup
+    phases = switching_phases()
     cfg = dict(block_size=16, max_num_seqs=8, dtype="float32")
     graphs = make_engine(base, folders, device="cuda", **cfg)
     runner = graphs.runner
@@ -140,3 +147,18 @@ def test_gpu_switching_families_equal_eager(setup):
     assert out == run_phases(make_engine(base, folders), phases)  # and the CPU engine
     none = make_engine(base, folders, device="cuda", lora_graph_module_sets=(), **cfg)
     assert none.runner.module_graphs == {} and out == run_phases(none, phases)
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_graphs_equal_eager(setup):
+    """Captured decode launched with programmatic dependent launch (``CapturePolicy(pdl=True)``), beside
+    the base GEMMs and the shrink's side stream: the eager engine's greedy tokens."""
+    base, folders = setup
+    phases = switching_phases()
+    cfg = dict(block_size=16, max_num_seqs=8, dtype="float32")
+    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), "pdl": True})
+    try:
+        out = run_phases(make_engine(base, folders, device="cuda", **cfg), phases)
+    finally:
+        set_capture_policy(**dataclasses.asdict(old))
+    assert out == run_phases(make_engine(base, folders, device="cuda", enforce_eager=True, **cfg), phases)

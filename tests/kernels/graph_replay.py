@@ -11,16 +11,24 @@ from tests.kernels.lora_case import Case, make_case
 from tests.kernels.test_ops import BAND, MIXED
 
 
-def replay_checked(module: str, launches: int, batches: tuple[tuple[int, int], ...]) -> Case:
+def replay_checked(module: str, launches: int, batches: tuple[tuple[int, int], ...],
+                   produced: bool = False) -> Case:  # fmt: skip
     """Capture ``launches`` applies of ``module`` over a 64-slot metadata, then replay for each (tokens,
-    tokens per request) of ``batches``: every output within the bf16 band. Returns the captured case."""
+    tokens per request) of ``batches``: every output within the bf16 band. Returns the captured case.
+    ``produced``: inside the graph, y and then x are written by a kernel right before each apply (as a
+    step's GEMM and norm do), and what they held before each replay is NaN, so an apply that reads either
+    before the kernel ahead of it has finished gives NaN."""
     first = make_case(num_tokens=40, num_adapters=30, ranks=MIXED, module=module, capture=True, capacity=64,
                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
     x = first.x.clone()
     ys = [first.y0.clone() for _ in range(launches)]
+    x_src, y_src = x.clone(), first.y0.clone()
 
     def step():
         for out in ys:
+            if produced:
+                out.copy_(y_src)
+                x.copy_(x_src)
             lora_apply(out, x, first.pool, 0, module, first.meta)
 
     step()  # compile outside the capture
@@ -35,6 +43,12 @@ def replay_checked(module: str, launches: int, batches: tuple[tuple[int, int], .
         x.copy_(case.x)
         for out in ys:
             out.copy_(case.y0)
+        if produced:
+            x_src.copy_(case.x)
+            y_src.copy_(case.y0)
+            x.fill_(float("nan"))
+            for out in ys:
+                out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         rows = case.adapter_rows()

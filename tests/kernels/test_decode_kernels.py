@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from loraplane.kernels import LoRABatchMeta, ModuleSpec, lora_apply
-from loraplane.kernels.launch_config import CapturePolicy, capture_policy, pick_config, set_capture_policy
+from loraplane.kernels.fast_launch import pdl_available
+from loraplane.kernels.launch_config import (
+    CapturePolicy,
+    LaunchConfig,
+    capture_policy,
+    pick_config,
+    set_capture_policy,
+)
 from loraplane.kernels.triton_decode import decode_split
 from tests.kernels.graph_replay import replay_checked
 from tests.kernels.lora_case import make_case
@@ -85,9 +92,24 @@ def test_any_width_and_start(decode, width, start, per_req):
 
 
 def test_policy_fields_are_checked():
-    for bad in ({"decode_k": 24}, {"decode_n": 8}, {"decode": 1}, {"decode_dot": "yes"}):
+    for bad in ({"decode_k": 24}, {"decode_n": 8}, {"decode": 1}, {"decode_dot": "yes"}, {"pdl": 1}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             CapturePolicy(**bad)
+    with pytest.raises(ValueError, match="pdl"):
+        LaunchConfig(pdl=True)  # the general kernels are never launched that way
+
+
+def test_pdl_rides_on_captured_decode_launches_only(decode):
+    """``CapturePolicy(pdl=True)`` reaches the decode launches' configs; on a CPU tensor (the interpreter)
+    the launch is an ordinary one, with the same result."""
+    set_capture_policy(**{**dataclasses.asdict(capture_policy()), "pdl": True})
+    captured = LoRABatchMeta(64, "cpu", tile_m=16, capture=True, max_rank=16)
+    assert pick_config(captured, 64, (32,), torch.float32).pdl
+    eager = LoRABatchMeta(64, "cpu", tile_m=16, capture=False, max_rank=16)
+    assert not pick_config(eager, 64, (32,), torch.float32).pdl
+    assert not pdl_available(torch.zeros(1))
+    if INTERPRET:
+        check_pools_sharing_x("cpu", ("q", "k", "v"))
 
 
 def test_prefill_and_fused_launches_keep_their_kernels(decode):
@@ -115,6 +137,23 @@ def test_gpu_graph_replays_new_batches(module, dot):
         replay_checked(module, 4, ((57, 1), (64, 16), (9, 3)))
     finally:
         set_capture_policy(**dataclasses.asdict(old))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dot", [True, False], ids=["dot", "vector"])
+@pytest.mark.parametrize("module", ["qkv", "gate_up", "down"])
+def test_gpu_pdl_launches_wait_for_the_kernels_ahead(module, dot):
+    """Programmatic dependent launch (Hopper): in the graph, x and y are written by the kernels just ahead
+    of each shrink and expand, over NaN; every replay matches its reference, and the launches were
+    compiled to wait (GDC) where the device has it."""
+    fields = {"decode": True, "fused": False, "decode_dot": dot, "pdl": True}
+    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), **fields})
+    try:
+        case = replay_checked(module, 4, ((57, 1), (64, 16), (9, 3)), produced=True)
+    finally:
+        set_capture_policy(**dataclasses.asdict(old))
+    launches = [p.shrink for p in case.meta.plans.values() if getattr(p, "shrink", None) is not None]
+    assert launches and all(p.constexprs["GDC"] == pdl_available(case.x) for p in launches)
 
 
 def test_captured_decode_takes_the_decode_kernels_by_default_no_wider_than_a_slice():

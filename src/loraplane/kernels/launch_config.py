@@ -38,7 +38,9 @@ class LaunchConfig:
     unused), no loop over either; ``decode_dot``: tiles of several tokens take ``tl.dot`` (else a token at a
     time). ``store``: the expand writes the delta instead of adding it (y's contents are ignored): the
     caller's base GEMM adds itself on top afterwards (``ops.lora_apply(..., store=True)``); general
-    kernels only.
+    kernels only. ``pdl``: decode launches go out with programmatic dependent launch (Hopper and later):
+    a program reads its tile's metadata while the kernel before it drains, and waits for it
+    (``griddepcontrol.wait``) before touching x, v or y.
     """
 
     block_r: int = 16
@@ -52,6 +54,7 @@ class LaunchConfig:
     decode: bool = False
     decode_dot: bool = True
     store: bool = False
+    pdl: bool = False
     shrink_programs: int = 1024  # upper bound on grid dim 0 x split for shrink
     expand_programs: int = 16384  # upper bound on grid dim 0 x dim 1 for expand
     tile_programs: int = 0  # upper bound on grid dim 0 (programs walk tiles g, g + G, ...); 0: none
@@ -69,6 +72,8 @@ class LaunchConfig:
             raise ValueError(f"LaunchConfig.n_chunk ({self.n_chunk}) must be >= block_n ({self.block_n})")
         if self.store and (self.decode or self.one_launch):
             raise ValueError("LaunchConfig.store is for the general expand (not decode or one_launch)")
+        if self.pdl and not self.decode:
+            raise ValueError("LaunchConfig.pdl is for the decode kernels")
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +93,9 @@ class CapturePolicy:
     columns per shrink program and ``decode_n`` output columns per expand program (powers of two, >= 16;
     no wider than the widest slice); off, ``table`` and the fields above shape the general kernels; ``decode_dot``: tiles
     of several tokens of one adapter take ``tl.dot`` (else the one-token path, a token at a time); ``fused``
-    wins.
+    wins. ``pdl``: the decode kernels go out with programmatic dependent launch where the GPU has it
+    (compute capability 9.0 and later): inside the graph each one starts while its predecessor drains, its
+    programs read their tile's metadata, then wait for the predecessor's writes before reading x, v or y.
     """
 
     tile_programs: int = 0
@@ -105,13 +112,14 @@ class CapturePolicy:
     # wavefronts excessive, 25% of DRAM bandwidth; at 1024: 74%).
     decode_n: int = 1024
     decode_dot: bool = True
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("decode_k", "decode_n"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"CapturePolicy.{name} must be a power of two >= 16, got {v!r}")
-        for name in ("table", "fused", "overlap", "decode", "decode_dot"):
+        for name in ("table", "fused", "overlap", "decode", "decode_dot", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CapturePolicy.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("tile_programs", "n_chunk", "k_per_program"):
@@ -255,7 +263,7 @@ def pick_config(
         dn = min(policy.decode_n, pow2_at_least(max(out_dims), 16))  # no wider than the widest slice
         return LaunchConfig(
             block_r=block_r, shrink_block_r=shrink_block_r, block_k=policy.decode_k, block_n=dn,
-            n_chunk=dn, decode=True, decode_dot=policy.decode_dot, num_stages=1,
+            n_chunk=dn, decode=True, decode_dot=policy.decode_dot, num_stages=1, pdl=policy.pdl,
         )  # fmt: skip
     if meta.capture and policy.table and not policy.n_chunk and meta.capacity >= DECODE_TABLE_MIN_CAPACITY:
         tuned = DECODE_TABLE.get((in_dim, tuple(out_dims)), {})

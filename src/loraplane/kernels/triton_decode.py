@@ -29,7 +29,12 @@ import math
 import triton
 import triton.language as tl
 
-from loraplane.kernels.fast_launch import FastLaunch
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # a Triton without grid dependency control: programmatic dependent launch stays off
+    gdc_launch_dependents = gdc_wait = None
+
+from loraplane.kernels.fast_launch import FastLaunch, pdl_available, pdl_option
 from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least
 from loraplane.kernels.metadata import LoRABatchMeta
 from loraplane.kernels.triton_helpers import (
@@ -128,6 +133,16 @@ def _shrink_dot(x_ptr, stride_xt, toks, count, k0, K, a_ptr, a_off, stride_ar, p
         )
 
 
+@triton.jit
+def _wait_for_inputs(GDC: tl.constexpr):
+    """Under programmatic dependent launch (GDC) a program may start before the kernel ahead of it has
+    finished. What it read so far is the step's metadata (tiles, token order, ranks, page table), which the
+    host uploaded before the graph ran and no kernel writes; x, v and y come from the kernels ahead. Every
+    program waits here, work or none, so that this kernel finishes only after the one ahead of it."""
+    if GDC:
+        gdc_wait()
+
+
 @triton.jit(do_not_specialize=["tile_bound"])
 def _shrink_decode_kernel(
     x_ptr, stride_xt, a_ptr, stride_as, stride_ar, v_ptr, stride_vk, stride_vs, stride_vt,
@@ -136,10 +151,14 @@ def _shrink_decode_kernel(
     SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, X_ALIGN: tl.constexpr,
     A_ALIGN: tl.constexpr, K_ALIGN: tl.constexpr, MULTI: tl.constexpr, DOT: tl.constexpr, DOT_K: tl.constexpr,
+    GDC: tl.constexpr,
 ):  # fmt: skip
     # program (tile, s * SPLIT + k): slice s, input columns [k * BLOCK_K, (k + 1) * BLOCK_K) -> v plane k.
     # MULTI: slice s from its own pool, at element offsets ao_s (A), po_s (page table), ro_s (ranks).
     # DOT: tiles of several tokens take tl.dot; else every tile goes a token at a time.
+    # GDC: launched with programmatic dependent launch (see _wait_for_inputs).
+    if GDC:  # the expand after us may start its programs now: they wait for all of ours to finish
+        gdc_launch_dependents()
     stride_xt = _aligned(stride_xt, X_ALIGN)
     stride_as = _aligned(stride_as, A_ALIGN)
     stride_ar = _aligned(stride_ar, A_ALIGN)
@@ -164,6 +183,7 @@ def _shrink_decode_kernel(
     tok0 = tl.load(order_ptr + start, mask=count > 0, other=0).to(tl.int64)
     toks = _tile_tokens(order_ptr, start, count, BLOCK_M, DOT)
     phys0 = _first_rows(pt, slot, PAGE, MAX_PAGES, BLOCK_R)
+    _wait_for_inputs(GDC)
     # count 0: a tile slot past the step's last; rank 0: an adapter without this pool's module
     if (count > 0) & (rank > 0):
         kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -313,7 +333,7 @@ def _expand_decode_kernel(
     OFF0: tl.constexpr, OFF1: tl.constexpr, OFF2: tl.constexpr, OFF3: tl.constexpr,
     END0: tl.constexpr, END1: tl.constexpr, END2: tl.constexpr, END3: tl.constexpr,
     DY0: tl.constexpr, DY1: tl.constexpr, DY2: tl.constexpr, DY3: tl.constexpr, MULTI: tl.constexpr,
-    DOT: tl.constexpr, DOT_N: tl.constexpr,
+    DOT: tl.constexpr, DOT_N: tl.constexpr, GDC: tl.constexpr,
 ):  # fmt: skip
     # program (tile, c): column block c, of slice sl (blocks [CB_sl, CB_sl+1)); packed B^T columns
     # c * BLOCK_N + OFF_sl onwards, up to END_sl; y columns DY_sl further (launch_config.slice_geometry with
@@ -340,6 +360,7 @@ def _expand_decode_kernel(
     tok0 = tl.load(order_ptr + start, mask=count > 0, other=0).to(tl.int64)
     toks = _tile_tokens(order_ptr, start, count, BLOCK_M, DOT)
     phys0 = _first_rows(page_table_ptr, slot, PAGE, MAX_PAGES, BLOCK_R)
+    _wait_for_inputs(GDC)
     if (count > 0) & (rank > 0):
         n_ok = nn < c_end  # only ragged slices use it
         v_slice = v_ptr + sl * stride_vs
@@ -375,10 +396,10 @@ def decode_shrink_launch(x, a, page_table, meta: LoRABatchMeta, page_rank: int, 
         SPLIT=split, PAGE=page_rank, MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, BLOCK_R=16,
         BLOCK_K=cfg.block_k, PRECISION=_precision(x.dtype), X_ALIGN=align_hint(x.stride(0)),
         A_ALIGN=align_hint(math.gcd(a.stride(0), a.stride(1))), K_ALIGN=align_hint(k_dim), MULTI=bool(pools),
-        DOT=cfg.decode_dot, DOT_K=min(128, cfg.block_k),
+        DOT=cfg.decode_dot, DOT_K=min(128, cfg.block_k), GDC=cfg.pdl and pdl_available(x),
     )  # fmt: skip
     launch = FastLaunch(_shrink_decode_kernel, (bound, num_slices * split), constexprs,
-                        num_warps=cfg.num_warps, num_stages=1)  # fmt: skip
+                        num_warps=cfg.num_warps, num_stages=1, **pdl_option(constexprs["GDC"]))  # fmt: skip
     return launch, shape
 
 
@@ -394,7 +415,7 @@ def decode_expand_launch(y, bt, page_table, out_dims, slice_starts, meta: LoRABa
         NUM_SLICES=num_slices, SPLIT=split, SPLIT_P2=pow2_at_least(split, 1), PAGE=page_rank,
         MAX_PAGES=page_table.shape[1], BLOCK_M=meta.tile_m, BLOCK_R=16, BLOCK_N=cfg.block_n,
         PRECISION=_precision(y.dtype), Y_ALIGN=align_hint(y.stride(0)), B_ALIGN=align_hint(bt.stride(0)),
-        MULTI=pools, DOT=cfg.decode_dot, DOT_N=min(64, cfg.block_n), **geo,
+        MULTI=pools, DOT=cfg.decode_dot, DOT_N=min(64, cfg.block_n), GDC=cfg.pdl and pdl_available(y), **geo,
     )  # fmt: skip
     return FastLaunch(_expand_decode_kernel, (bound, blocks), constexprs, num_warps=cfg.num_warps,
-                      num_stages=1)  # fmt: skip
+                      num_stages=1, **pdl_option(constexprs["GDC"]))  # fmt: skip
