@@ -124,6 +124,7 @@ SWEEP = (
     {"decode_k": 256},
     {"decode_dot": False},
     {"pdl": True},
+    {"decode_warps": 8},
 )
 
 

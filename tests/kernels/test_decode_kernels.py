@@ -92,7 +92,14 @@ def test_any_width_and_start(decode, width, start, per_req):
 
 
 def test_policy_fields_are_checked():
-    for bad in ({"decode_k": 24}, {"decode_n": 8}, {"decode": 1}, {"decode_dot": "yes"}, {"pdl": 1}):
+    for bad in (
+        {"decode_k": 24},
+        {"decode_n": 8},
+        {"decode": 1},
+        {"decode_dot": "yes"},
+        {"pdl": 1},
+        {"decode_warps": 3},
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             CapturePolicy(**bad)
     with pytest.raises(ValueError, match="pdl"):

@@ -91,9 +91,9 @@ class CapturePolicy:
     side stream beside it (``overlap.py``) instead of after it.
     ``decode`` (on by default): the decode-shaped kernels (``triton_decode``), with ``decode_k`` input
     columns per shrink program and ``decode_n`` output columns per expand program (powers of two, >= 16;
-    no wider than the widest slice); off, ``table`` and the fields above shape the general kernels; ``decode_dot``: tiles
-    of several tokens of one adapter take ``tl.dot`` (else the one-token path, a token at a time); ``fused``
-    wins. ``pdl``: the decode kernels go out with programmatic dependent launch where the GPU has it
+    no wider than the widest slice), ``decode_warps`` warps a program; off, ``table`` and the fields above
+    shape the general kernels; ``decode_dot``: tiles of several tokens of one adapter take ``tl.dot``
+    (else the one-token path, a token at a time); ``fused`` wins. ``pdl``: the decode kernels go out with programmatic dependent launch where the GPU has it
     (compute capability 9.0 and later): inside the graph each one starts while its predecessor drains, its
     programs read their tile's metadata, then wait for the predecessor's writes before reading x, v or y.
     """
@@ -112,6 +112,7 @@ class CapturePolicy:
     # wavefronts excessive, 25% of DRAM bandwidth; at 1024: 74%).
     decode_n: int = 1024
     decode_dot: bool = True
+    decode_warps: int = 4
     pdl: bool = False
 
     def __post_init__(self) -> None:
@@ -119,6 +120,9 @@ class CapturePolicy:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 16 or v & (v - 1):
                 raise ValueError(f"CapturePolicy.{name} must be a power of two >= 16, got {v!r}")
+        w = self.decode_warps
+        if not isinstance(w, int) or w not in (1, 2, 4, 8, 16):
+            raise ValueError(f"CapturePolicy.decode_warps must be 1, 2, 4, 8 or 16, got {w!r}")
         for name in ("table", "fused", "overlap", "decode", "decode_dot", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CapturePolicy.{name} must be a bool, got {getattr(self, name)!r}")
@@ -264,6 +268,7 @@ def pick_config(
         return LaunchConfig(
             block_r=block_r, shrink_block_r=shrink_block_r, block_k=policy.decode_k, block_n=dn,
             n_chunk=dn, decode=True, decode_dot=policy.decode_dot, num_stages=1, pdl=policy.pdl,
+            num_warps=policy.decode_warps,
         )  # fmt: skip
     if meta.capture and policy.table and not policy.n_chunk and meta.capacity >= DECODE_TABLE_MIN_CAPACITY:
         tuned = DECODE_TABLE.get((in_dim, tuple(out_dims)), {})
