@@ -133,10 +133,12 @@ def recapture(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
     runner.capture_lora_graphs(sizes)
 
 
-def sweep_policies(runner: ModelRunner, cases: dict, median_ms, base_decode) -> tuple[list[dict], dict]:
-    """Each policy of SWEEP on the B=64 graph: step ms per case; returns the rows and the fastest policy."""
+def sweep_policies(runner: ModelRunner, cases: dict, median_ms, base_decode,
+                   policies: tuple[dict, ...] = SWEEP) -> tuple[list[dict], dict]:  # fmt: skip
+    """Each policy (SWEEP's by default) on the B=64 graph: step ms per case; returns the rows and the
+    fastest policy."""
     rows, best = [], (float("inf"), {})
-    for policy in SWEEP:
+    for policy in policies:
         set_capture_policy(**policy)
         try:
             recapture(runner, (B,))
@@ -178,6 +180,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument(
         "--sweep", action="store_true", help="try SWEEP's capture policies first, keep the fastest"
     )
+    parser.add_argument(
+        "--policies", type=json.loads, default=None,
+        help='the policies to sweep instead of SWEEP, as JSON (e.g. \'[{}, {"pdl": true}]\'); implies --sweep',
+    )  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.quick else "cuda")
     dtype = torch.float32 if args.quick else torch.bfloat16
@@ -254,10 +260,14 @@ def run(argv: list[str]) -> dict:
     one = ["d0@v1"] * B
     d64 = [f"d{i}@v1" for i in range(B)]
     mixed = [None if i % 2 == 0 else f"m{i // 2}@v1" for i in range(B)]
-    if args.sweep and device.type == "cuda":
+    if (args.sweep or args.policies) and device.type == "cuda":
         qv = [f"qv{i}@v1" for i in range(B)]
         sweep_rows, best = sweep_policies(
-            runner, {"one": one, "d64": d64, "qv64": qv, "mixed": mixed}, median_ms, base_decode
+            runner,
+            {"one": one, "d64": d64, "qv64": qv, "mixed": mixed},
+            median_ms,
+            base_decode,
+            tuple(args.policies or SWEEP),
         )
         rows += sweep_rows
         set_capture_policy(**best)
