@@ -230,10 +230,11 @@ DECODE_BLOCKS = [
 ]  # fmt: skip
 
 
-def decode_cfg(k: int, n: int, dot: bool, warps: int = 4):
-    """A launch-config override: the decode kernels with blocks of k input and n output columns."""
+def decode_cfg(k: int, n: int, dot: bool, warps: int = 4, pdl: bool = False):
+    """A launch-config override: the decode kernels with blocks of k input and n output columns (``pdl``:
+    launched with programmatic dependent launch)."""
     return lambda c: dataclasses.replace(c, decode=True, block_k=k, block_n=n, n_chunk=n, num_warps=warps,
-                                         num_stages=1, decode_dot=dot)  # fmt: skip
+                                         num_stages=1, decode_dot=dot, pdl=pdl)  # fmt: skip
 
 
 def decode_variants() -> list[tuple[str, object]]:
@@ -255,6 +256,7 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=200.0)
     ap.add_argument("--decode", action="store_true", help="sweep the decode-shaped kernels' block sizes")
+    ap.add_argument("--pdl", action="store_true", help="with --decode: the whole step with and without PDL")
     args = ap.parse_args(argv)
     t_start = time.time()
     out = Path(args.out)
@@ -296,8 +298,11 @@ def main(argv=None) -> None:
         from loraplane.kernels.launch_config import CapturePolicy
 
         pol = CapturePolicy(decode=True)
-        for kind, dot in (("step_decode", True), ("step_vector", False)):
-            dec = dict.fromkeys(OPS, decode_cfg(pol.decode_k, pol.decode_n, dot))
+        kinds = [("step_decode", True, False), ("step_vector", False, False)]
+        if args.pdl:  # first, beside the default, while the clocks are the same
+            kinds.insert(1, ("step_decode_pdl", True, True))
+        for kind, dot, pdl in kinds:
+            dec = dict.fromkeys(OPS, decode_cfg(pol.decode_k, pol.decode_n, dot, pdl=pdl))
             whole_step(kind, Step(pools, meta, dev, cfgs=dec), f"profile_{kind}_")
 
     # Per op: each variant's 32-layer graph timed for every case, round-robin over the ops (variant i of
