@@ -37,6 +37,7 @@ from shapes import TINY_LLAMA as TINY  # noqa: E402
 from synth import adapter_weights  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pdl_rows import pdl_rows  # noqa: E402
 from step_profile import step_profile  # noqa: E402
 
 PREFILL_SEQS, PREFILL_LEN = 8, 256  # T = 2048
@@ -180,6 +181,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument(
         "--sweep", action="store_true", help="try SWEEP's capture policies first, keep the fastest"
     )
+    parser.add_argument(
+        "--pdl", action="store_true",
+        help="end with the base and 64-distinct steps without and with programmatic dependent launch",
+    )  # fmt: skip
     parser.add_argument(
         "--policies", type=json.loads, default=None,
         help='the policies to sweep instead of SWEEP, as JSON (e.g. \'[{}, {"pdl": true}]\'); implies --sweep',
@@ -327,6 +332,12 @@ def run(argv: list[str]) -> dict:
     rows.append({"case": "one merge (all-module r16, every projection)", "section": "merge",
                  "step_ms": merge_ms, "base_step_ms": base_dec, "x_base": merge_ms / base_dec})  # fmt: skip
     print(json.dumps(rows[-1]), flush=True)
+    if args.pdl and device.type == "cuda":
+        d64_batch = decode_batch(runner, d64)
+        for r in pdl_rows(base, runner, base_kv, wrapped, B, base_decode,
+                          lambda: measure(runner, d64_batch, median_ms, False)):  # fmt: skip
+            rows.append(r)
+            print(json.dumps(r), flush=True)
     return {
         "title": "LoRA decode against its byte floor: Llama-3-8B shape, B=64, context 512, CUDA graphs",
         "columns": [

@@ -20,7 +20,14 @@ from loraplane.engine.model.attention import (  # noqa: E402
     paged_decode_ref,
     write_kv,
 )
-from loraplane.engine.model.fused_ops import rmsnorm, rope_and_store_kv, rope_ref, silu_mul  # noqa: E402
+from loraplane.engine.model.fused_ops import (  # noqa: E402
+    model_pdl,
+    rmsnorm,
+    rope_and_store_kv,
+    rope_ref,
+    set_model_pdl,
+    silu_mul,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -137,6 +144,20 @@ def test_fused_rmsnorm_with_residual_matches_reference(dtype):
     assert rel_err(new_res, ref_res) < TOL[dtype] and rel_err(out, ref_out) < TOL[dtype]
     plain, _ = rmsnorm(x, w, 1e-5, triton_=True)
     assert rel_err(plain, rmsnorm(x, w, 1e-5, triton_=False)[0]) < TOL[dtype]
+
+
+def test_model_pdl_is_a_switch_that_only_a_hopper_gpu_takes():
+    """set_model_pdl returns the setting it replaced; where programmatic dependent launch is not there
+    (a CPU tensor, the interpreter) the kernels launch as usual, with the same result."""
+    x, w = torch.randn(4, 96, device=DEVICE), torch.randn(96, device=DEVICE)
+    plain, _ = rmsnorm(x, w, 1e-5, triton_=True)
+    old = set_model_pdl(True)
+    try:
+        assert set_model_pdl(True) is True and not model_pdl(torch.zeros(1))
+        assert torch.equal(rmsnorm(x, w, 1e-5, triton_=True)[0], plain)
+    finally:
+        set_model_pdl(old)
+    assert set_model_pdl(old) is old
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

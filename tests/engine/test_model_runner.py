@@ -14,6 +14,7 @@ from loraplane.engine.core.config import EngineConfig  # noqa: E402
 from loraplane.engine.core.llm_engine import LLMEngine  # noqa: E402
 from loraplane.engine.core.scheduler import ScheduledBatch, ScheduledChunk  # noqa: E402
 from loraplane.engine.core.sequence import SamplingParams, Sequence  # noqa: E402
+from loraplane.engine.model.fused_ops import set_model_pdl  # noqa: E402
 from loraplane.engine.model.runner import ModelRunner  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -105,12 +106,22 @@ def test_partial_chunk_scores_nothing_and_release_drops_generators(tiny_llama_di
 
 # ------------------------------------------------------------------------------------------------------ GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
-def test_gpu_fp32_logits_match_transformers(tiny_llama_dir, enforce_eager):
-    """Compiled Triton kernels (+ CUDA-graph decode) in fp32 against transformers on CPU."""
+def test_gpu_fp32_logits_match_transformers(tiny_llama_dir, enforce_eager, pdl):
+    """Compiled Triton kernels (+ CUDA-graph decode) in fp32 against transformers on CPU; ``pdl``: the
+    decoder's kernels launched with programmatic dependent launch (set_model_pdl)."""
     cfg = EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="float32", block_size=16,
                        num_kv_blocks=64, enforce_eager=enforce_eager, max_num_seqs=8)  # fmt: skip
-    runner = ModelRunner(cfg)
+    old = set_model_pdl(pdl)
+    try:
+        runner = ModelRunner(cfg)
+        _check_logits(runner, tiny_llama_dir, enforce_eager)
+    finally:
+        set_model_pdl(old)
+
+
+def _check_logits(runner: ModelRunner, tiny_llama_dir, enforce_eager: bool) -> None:
     assert (runner.graphs is None) == enforce_eager
     tokens = random.Random(7).choices(range(256), k=60)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from loraplane.kernels import LoRABatchMeta, ModuleSpec, lora_apply
-from loraplane.kernels.fast_launch import pdl_available
 from loraplane.kernels.launch_config import (
     CapturePolicy,
     LaunchConfig,
@@ -21,6 +20,7 @@ from loraplane.kernels.launch_config import (
     pick_config,
     set_capture_policy,
 )
+from loraplane.kernels.pdl import pdl_available
 from loraplane.kernels.triton_decode import decode_split
 from tests.kernels.graph_replay import replay_checked
 from tests.kernels.lora_case import make_case

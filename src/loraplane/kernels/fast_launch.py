@@ -13,12 +13,11 @@ the fast path is an optimization that can switch itself off, never a second sema
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 
-__all__ = ["FastLaunch", "launch_counts", "pdl_available", "pdl_option"]
+__all__ = ["FastLaunch", "launch_counts"]
 
 _ENABLED = os.environ.get("LORAPLANE_TRITON_FAST_LAUNCH", "1") != "0"
 
@@ -31,31 +30,6 @@ whose launches all go through Triton spends a multiple of its host time on it.""
 def launch_counts() -> dict[str, int]:
     """A copy of the launch counters (``direct`` / ``triton``)."""
     return dict(_COUNTS)
-
-
-def pdl_available(t: torch.Tensor) -> bool:
-    """Programmatic dependent launch is there for kernels on ``t``'s device: a CUDA device of compute
-    capability 9.0 or later, and a Triton with grid dependency control (``griddepcontrol``). Elsewhere
-    (the CPU interpreter among them) a launch that asks for it is an ordinary one."""
-    if not t.is_cuda:
-        return False
-    return _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _pdl_device(device: int) -> bool:
-    try:
-        from triton.backends.nvidia.compiler import CUDAOptions
-        from triton.language.extra.cuda import gdc_wait  # noqa: F401
-    except ImportError:
-        return False
-    has_option = "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
-    return has_option and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def pdl_option(on: bool) -> dict:
-    """Triton's launch option for a kernel compiled to wait on the kernel ahead of it (``on``)."""
-    return {"launch_pdl": True} if on else {}
 
 
 def _unset(hook) -> bool:

@@ -29,14 +29,10 @@ import math
 import triton
 import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # a Triton without grid dependency control: programmatic dependent launch stays off
-    gdc_launch_dependents = gdc_wait = None
-
-from loraplane.kernels.fast_launch import FastLaunch, pdl_available, pdl_option
+from loraplane.kernels.fast_launch import FastLaunch
 from loraplane.kernels.launch_config import LaunchConfig, align_hint, pow2_at_least
 from loraplane.kernels.metadata import LoRABatchMeta
+from loraplane.kernels.pdl import launch_dependents, pdl_available, pdl_option, wait_for_kernel_ahead
 from loraplane.kernels.triton_helpers import (
     _aligned,
     _chunk_of,
@@ -133,16 +129,6 @@ def _shrink_dot(x_ptr, stride_xt, toks, count, k0, K, a_ptr, a_off, stride_ar, p
         )
 
 
-@triton.jit
-def _wait_for_inputs(GDC: tl.constexpr):
-    """Under programmatic dependent launch (GDC) a program may start before the kernel ahead of it has
-    finished. What it read so far is the step's metadata (tiles, token order, ranks, page table), which the
-    host uploaded before the graph ran and no kernel writes; x, v and y come from the kernels ahead. Every
-    program waits here, work or none, so that this kernel finishes only after the one ahead of it."""
-    if GDC:
-        gdc_wait()
-
-
 @triton.jit(do_not_specialize=["tile_bound"])
 def _shrink_decode_kernel(
     x_ptr, stride_xt, a_ptr, stride_as, stride_ar, v_ptr, stride_vk, stride_vs, stride_vt,
@@ -156,9 +142,10 @@ def _shrink_decode_kernel(
     # program (tile, s * SPLIT + k): slice s, input columns [k * BLOCK_K, (k + 1) * BLOCK_K) -> v plane k.
     # MULTI: slice s from its own pool, at element offsets ao_s (A), po_s (page table), ro_s (ranks).
     # DOT: tiles of several tokens take tl.dot; else every tile goes a token at a time.
-    # GDC: launched with programmatic dependent launch (see _wait_for_inputs).
-    if GDC:  # the expand after us may start its programs now: they wait for all of ours to finish
-        gdc_launch_dependents()
+    # GDC: launched with programmatic dependent launch (kernels/pdl.py). What a program reads before its
+    # wait is the step's metadata (tiles, token order, ranks, page table), which the host uploaded before
+    # the graph ran and no kernel writes; x, v and y come after it.
+    launch_dependents(GDC)  # the expand after us may start its programs: they wait for all of ours
     stride_xt = _aligned(stride_xt, X_ALIGN)
     stride_as = _aligned(stride_as, A_ALIGN)
     stride_ar = _aligned(stride_ar, A_ALIGN)
@@ -183,7 +170,7 @@ def _shrink_decode_kernel(
     tok0 = tl.load(order_ptr + start, mask=count > 0, other=0).to(tl.int64)
     toks = _tile_tokens(order_ptr, start, count, BLOCK_M, DOT)
     phys0 = _first_rows(pt, slot, PAGE, MAX_PAGES, BLOCK_R)
-    _wait_for_inputs(GDC)
+    wait_for_kernel_ahead(GDC)
     # count 0: a tile slot past the step's last; rank 0: an adapter without this pool's module
     if (count > 0) & (rank > 0):
         kk = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -360,7 +347,7 @@ def _expand_decode_kernel(
     tok0 = tl.load(order_ptr + start, mask=count > 0, other=0).to(tl.int64)
     toks = _tile_tokens(order_ptr, start, count, BLOCK_M, DOT)
     phys0 = _first_rows(page_table_ptr, slot, PAGE, MAX_PAGES, BLOCK_R)
-    _wait_for_inputs(GDC)
+    wait_for_kernel_ahead(GDC)
     if (count > 0) & (rank > 0):
         n_ok = nn < c_end  # only ragged slices use it
         v_slice = v_ptr + sl * stride_vs

@@ -21,6 +21,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from loraplane.engine.model.fused_ops import model_pdl
+from loraplane.kernels.pdl import launch_dependents, pdl_option, wait_for_kernel_ahead
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillSpan:
@@ -50,7 +53,9 @@ class AttentionMetadata:
 # --------------------------------------------------------------------------------------------- KV write
 @triton.jit
 def _write_kv_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, stride_k, stride_v, ROW: tl.constexpr,
-                     BLOCK: tl.constexpr):  # fmt: skip
+                     BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+    wait_for_kernel_ahead(GDC)
+    launch_dependents(GDC)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t)
     if slot >= 0:
@@ -71,8 +76,9 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v_cache.view(-1, H, D).index_copy_(0, slot_mapping, v)
         return
     assert k.stride(1) == D and v.stride(1) == D and k_cache.is_contiguous()
+    gdc = model_pdl(k)
     _write_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=H * D,
-                           BLOCK=triton.next_power_of_2(H * D), num_warps=4)  # fmt: skip
+                           BLOCK=triton.next_power_of_2(H * D), GDC=gdc, num_warps=4, **pdl_option(gdc))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- prefill (SDPA)
@@ -186,7 +192,7 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_
                          stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
                          NUM_SPLITS, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr,
                          D_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         IEEE: tl.constexpr):  # fmt: skip
+                         IEEE: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     """Program (b, kv head, split): the GROUP q heads sharing a kv head are the rows of one tl.dot; the split
     walks its share of the context, BLOCK_N positions (several pages) per iteration, with an online softmax.
     NUM_SPLITS is a run-time argument (Triton specialises the value 1), so one compiled kernel serves every
@@ -244,7 +250,9 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_
 
 @triton.jit
 def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, stride_ot, stride_oh, H, D: tl.constexpr,
-                         D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):  # fmt: skip
+                         D_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+    wait_for_kernel_ahead(GDC)
+    launch_dependents(GDC)
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.arange(0, NUM_SPLITS)
@@ -316,17 +324,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if splits > 1:
         part = torch.empty(B, Hq, splits, d_pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, Hq, splits, 2, dtype=torch.float32, device=q.device)
+    gdc = model_pdl(q)
     _paged_decode_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, ml, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=max(block_n, block_size), IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages,
+        BLOCK_N=max(block_n, block_size), IEEE=q.dtype == torch.float32, GDC=gdc, num_warps=num_warps,
+        num_stages=num_stages, **pdl_option(gdc),
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(B, Hq)](part, ml, out, out.stride(0), out.stride(1), Hq, D=D, D_PAD=d_pad,
-                                      NUM_SPLITS=splits, num_warps=4)  # fmt: skip
+                                      NUM_SPLITS=splits, GDC=gdc, num_warps=4, **pdl_option(gdc))  # fmt: skip
     return out
 
 

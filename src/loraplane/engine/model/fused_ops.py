@@ -12,11 +12,31 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplane.kernels.pdl import launch_dependents, pdl_available, pdl_option, wait_for_kernel_ahead
+
+_PDL = [False]
+
+
+def set_model_pdl(on: bool) -> bool:
+    """Launch the decoder's own Triton kernels (RMSNorm, SiLU-and-multiply, RoPE and KV store, paged decode
+    attention and its merge) with programmatic dependent launch where the GPU has it (kernels/pdl.py): each
+    waits for the kernel ahead before its first load, so only its launch overlaps that kernel's tail.
+    Returns the previous setting; set it before CUDA graphs are captured."""
+    old, _PDL[0] = _PDL[0], bool(on)
+    return old
+
+
+def model_pdl(t: torch.Tensor) -> bool:
+    """Whether the decoder's kernels on ``t``'s device go out with programmatic dependent launch."""
+    return _PDL[0] and pdl_available(t)
+
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
-                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+                    HAS_RES: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
+    wait_for_kernel_ahead(GDC)
+    launch_dependents(GDC)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -60,14 +80,18 @@ def rmsnorm(
     T, N = x.shape
     out = torch.empty_like(x)
     res = residual if residual is not None else x
+    gdc = model_pdl(x)
     _rmsnorm_kernel[(T,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), N, eps,
-                          HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=8)  # fmt: skip
+                          HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), GDC=gdc, num_warps=8,
+                          **pdl_option(gdc))  # fmt: skip
     return out, residual
 
 
 # ------------------------------------------------------------------------------------------ SiLU * up
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, N, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    wait_for_kernel_ahead(GDC)
+    launch_dependents(GDC)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -86,7 +110,9 @@ def silu_mul(gate_up: torch.Tensor, triton_: bool | None = None) -> torch.Tensor
     T = gate_up.shape[0]
     out = gate_up.new_empty((T, F_))
     BLOCK = 1024
-    _silu_mul_kernel[(T, triton.cdiv(F_, BLOCK))](gate_up, out, F_, BLOCK=BLOCK, num_warps=4)
+    gdc = model_pdl(gate_up)
+    _silu_mul_kernel[(T, triton.cdiv(F_, BLOCK))](gate_up, out, F_, BLOCK=BLOCK, GDC=gdc, num_warps=4,
+                                                  **pdl_option(gdc))  # fmt: skip
     return out
 
 
@@ -94,8 +120,10 @@ def silu_mul(gate_up: torch.Tensor, triton_: bool | None = None) -> torch.Tensor
 @triton.jit
 def _rope_store_kernel(qkv_ptr, pos_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, stride_t,
                        NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
+                       BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, GDC: tl.constexpr):  # fmt: skip
     """One token per program: rotate its q and k heads in place, then store its k and v heads at its KV slot."""
+    wait_for_kernel_ahead(GDC)
+    launch_dependents(GDC)
     t = tl.program_id(0)
     pos = tl.load(pos_ptr + t)
     d = tl.arange(0, BLOCK_HALF)
@@ -160,7 +188,8 @@ def rope_and_store_kv(qkv: torch.Tensor, num_q: int, num_kv: int, positions: tor
     if not store:  # profiling run before the cache exists: rotate only
         k_cache = v_cache = qkv
         slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=qkv.device)
+    gdc = model_pdl(qkv)
     _rope_store_kernel[(T,)](qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0),
                              NUM_Q=num_q, NUM_KV=num_kv, D=D, HALF=D // 2,
                              BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_H=triton.next_power_of_2(H),
-                             num_warps=4)  # fmt: skip
+                             GDC=gdc, num_warps=4, **pdl_option(gdc))  # fmt: skip
