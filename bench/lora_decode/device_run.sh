@@ -2,7 +2,8 @@
 # On any CUDA machine (repo root; loraplane need not be installed): the merge and graph-family GPU tests, the
 # multi-LoRA engine GPU tests, then the LoRA decode benchmark.
 #   OUT=DIR bash bench/lora_decode/device_run.sh   (results under ${OUT:-bench/lora_decode/results})
-#   SKIP_TESTS=1 skips the tests; KERNEL_TESTS=1 adds the kernels' GPU tests.
+#   SKIP_TESTS=1 skips the tests; KERNEL_TESTS=1 adds the kernels' GPU tests; BENCH_S bounds the benchmark
+#   (seconds, default 540: the model, both engines and the sweep's recaptures come before its first row).
 set -o pipefail
 source scripts/device_env.sh
 R="$PWD"; O="${OUT:-$R/bench/lora_decode/results}"; LP="${PYTHONPATH%%:*}"
@@ -18,4 +19,4 @@ if [ -z "$SKIP_TESTS" ]; then
     (cd /tmp && timeout 300 "${PT[@]}" -m gpu "$R/tests/kernels" 2>&1 | tail -30 | tee -a "$O/lora-decode-gpu-tests.txt")
   fi
 fi
-timeout 360 python3 bench/run.py lora_decode --out "$O" --name lora-decode "$@" 2>&1 | tee "$O/lora-decode-bench.log" | grep -v '^{'
+timeout "${BENCH_S:-540}" python3 bench/run.py lora_decode --out "$O" --name lora-decode "$@" 2>&1 | tee "$O/lora-decode-bench.log" | grep -v '^{'
