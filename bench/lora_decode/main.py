@@ -140,8 +140,8 @@ def sweep_policies(runner: ModelRunner, cases: dict, median_ms, base_decode,
     fastest policy."""
     rows, best = [], (float("inf"), {})
     for policy in policies:
-        set_capture_policy(**policy)
         try:
+            set_capture_policy(**policy)
             recapture(runner, (B,))
             base_ms = base_decode()
             times = {

@@ -35,14 +35,17 @@ def pdl_rows(base: ModelRunner, runner: ModelRunner, base_kv: list, wrapped: lis
     """Rows: the base step and the 64-distinct step, without and with PDL (``base_step()`` and
     ``d64_step()`` measure one each, in ms, on the graphs captured at the time)."""
     times = {}
-    for pdl in (False, True):
-        set_model_pdl(pdl)
-        set_capture_policy(**{**dataclasses.asdict(capture_policy()), "pdl": pdl})
-        recapture_base(base, base_kv, wrapped, size)
-        runner.capture_lora_graphs((size,))
-        times[pdl] = (base_step(), d64_step())
-    set_model_pdl(False)
-    set_capture_policy(**{**dataclasses.asdict(capture_policy()), "pdl": False})
+    policy = capture_policy()
+    try:
+        for pdl in (False, True):
+            set_model_pdl(pdl)
+            set_capture_policy(**{**dataclasses.asdict(policy), "pdl": pdl})
+            recapture_base(base, base_kv, wrapped, size)
+            runner.capture_lora_graphs((size,))
+            times[pdl] = (base_step(), d64_step())
+    finally:  # the switches as they were; the graphs stay as last captured (nothing is measured after)
+        set_model_pdl(False)
+        set_capture_policy(**dataclasses.asdict(policy))
     (b0, d0), (b1, d1) = times[False], times[True]
     return [
         {"case": "PDL: base step, decoder kernels", "section": "pdl", "step_ms": b1, "base_step_ms": b0,

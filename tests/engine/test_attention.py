@@ -28,6 +28,7 @@ from loraplane.engine.model.fused_ops import (  # noqa: E402
     set_model_pdl,
     silu_mul,
 )
+from tests.kernels.pdl_producer import late_copy  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -297,3 +298,53 @@ def test_decode_split_policy_follows_the_table_and_rejects_bad_entries():
     finally:
         attention.DECODE_SPLITS = saved
         attention.DECODE_LAUNCH.update(launch)
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_decoder_kernels_wait_for_the_kernel_ahead():
+    """set_model_pdl: in one graph, a producer that lets the next kernel start before it writes fills qkv
+    just ahead of RoPE + KV store, and paged decode (split, then merged) reads the rotated q and the stored
+    KV. Before each replay qkv and the new tokens' KV rows hold NaN: every replay is finite and equals the
+    same graph captured without programmatic dependent launch, bit for bit."""
+    torch.manual_seed(0)
+    B, hq, hkv, D, bs, width = 8, 8, 2, 64, 16, 7
+    k0, v0 = _paged_cache(64, bs, hkv, D, torch.bfloat16)
+    seq_lens = torch.randint(1, width * bs, (B,), dtype=torch.int32, device=DEVICE)
+    tables = torch.randperm(64, device=DEVICE)[: B * width].view(B, width).int()  # no block shared
+    pos = (seq_lens - 1).long()
+    slots = tables.long().gather(1, (pos // bs)[:, None])[:, 0] * bs + pos % bs
+    freqs = torch.outer(torch.arange(128.0), 1.0 / 10000 ** (torch.arange(0, D, 2.0) / D)).to(DEVICE)
+    cos, sin = freqs.cos(), freqs.sin()
+    qkv_src = torch.randn(B, hq + 2 * hkv, D, dtype=torch.bfloat16, device=DEVICE)
+    qkv, out = torch.empty_like(qkv_src), torch.empty(B, hq, D, dtype=torch.bfloat16, device=DEVICE)
+    k_cache, v_cache = k0.clone(), v0.clone()
+
+    def step():
+        late_copy(qkv, qkv_src)
+        rope_and_store_kv(qkv, hq, hkv, pos, cos, sin, k_cache, v_cache, slots)
+        paged_decode(qkv[:, :hq], k_cache, v_cache, tables, seq_lens, D**-0.5, out=out)
+
+    def replayed(pdl: bool) -> list[torch.Tensor]:
+        old = set_model_pdl(pdl)
+        try:
+            step()  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+        finally:
+            set_model_pdl(old)
+        outs = []
+        for _ in range(20):
+            k_cache.copy_(k0)
+            v_cache.copy_(v0)
+            for cache in (k_cache, v_cache):
+                cache.view(-1, hkv, D)[slots] = float("nan")
+            qkv.fill_(float("nan"))
+            graph.replay()
+            outs.append(out.clone())
+        torch.cuda.synchronize()
+        return outs
+
+    plain, pdl = replayed(False), replayed(True)
+    assert all(torch.isfinite(o).all() for o in pdl)
+    assert all(torch.equal(a, b) for a, b in zip(plain, pdl, strict=True))

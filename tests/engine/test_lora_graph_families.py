@@ -23,6 +23,7 @@ from loraplane.engine.core.sequence import SamplingParams  # noqa: E402
 from loraplane.engine.lora.weights import TARGET_MODULES  # noqa: E402
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan  # noqa: E402
 from loraplane.engine.model.cuda_graphs import lora_module_family  # noqa: E402
+from loraplane.engine.model.fused_ops import set_model_pdl  # noqa: E402
 from loraplane.kernels import LoRABatchMeta  # noqa: E402
 from loraplane.kernels.launch_config import capture_policy, set_capture_policy  # noqa: E402
 from tests.engine.peft_adapters import ADAPTER_SPECS, save_peft_adapter  # noqa: E402
@@ -151,14 +152,17 @@ def test_gpu_switching_families_equal_eager(setup):
 
 @pytest.mark.gpu
 def test_gpu_pdl_graphs_equal_eager(setup):
-    """Captured decode launched with programmatic dependent launch (``CapturePolicy(pdl=True)``), beside
-    the base GEMMs and the shrink's side stream: the eager engine's greedy tokens."""
+    """Captured decode with programmatic dependent launch, for the LoRA kernels (``CapturePolicy(pdl=True)``)
+    beside the base GEMMs and the shrink's side stream, and for the decoder's own kernels
+    (``set_model_pdl``): the eager engine's greedy tokens."""
     base, folders = setup
     phases = switching_phases()
     cfg = dict(block_size=16, max_num_seqs=8, dtype="float32")
     old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), "pdl": True})
+    old_model = set_model_pdl(True)
     try:
         out = run_phases(make_engine(base, folders, device="cuda", **cfg), phases)
     finally:
         set_capture_policy(**dataclasses.asdict(old))
+        set_model_pdl(old_model)
     assert out == run_phases(make_engine(base, folders, device="cuda", enforce_eager=True, **cfg), phases)

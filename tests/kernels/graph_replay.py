@@ -8,6 +8,7 @@ import torch
 
 from loraplane.kernels import lora_apply
 from tests.kernels.lora_case import Case, make_case
+from tests.kernels.pdl_producer import late_copy
 from tests.kernels.test_ops import BAND, MIXED
 
 
@@ -15,9 +16,9 @@ def replay_checked(module: str, launches: int, batches: tuple[tuple[int, int], .
                    produced: bool = False) -> Case:  # fmt: skip
     """Capture ``launches`` applies of ``module`` over a 64-slot metadata, then replay for each (tokens,
     tokens per request) of ``batches``: every output within the bf16 band. Returns the captured case.
-    ``produced``: inside the graph, y and then x are written by a kernel right before each apply (as a
-    step's GEMM and norm do), and what they held before each replay is NaN, so an apply that reads either
-    before the kernel ahead of it has finished gives NaN."""
+    ``produced``: inside the graph, x and y are written right before each apply by kernels that let the
+    kernel after them start before they write (``pdl_producer.late_copy``); before each replay x, y and
+    the shrink's scratch hold NaN, so an apply that reads x, y or v before its wait gives NaN."""
     first = make_case(num_tokens=40, num_adapters=30, ranks=MIXED, module=module, capture=True, capacity=64,
                       dtype=torch.bfloat16, device="cuda")  # fmt: skip
     x = first.x.clone()
@@ -25,10 +26,12 @@ def replay_checked(module: str, launches: int, batches: tuple[tuple[int, int], .
     x_src, y_src = x.clone(), first.y0.clone()
 
     def step():
-        for out in ys:
-            if produced:
-                out.copy_(y_src)
-                x.copy_(x_src)
+        for i, out in enumerate(ys):
+            if produced:  # the write just ahead of the apply is y for even launches (its expand could start
+                # before it lands), x for odd ones (its shrink could)
+                writes = [(out, y_src), (x, x_src)] if i % 2 else [(x, x_src), (out, y_src)]
+                for dst, src in writes:
+                    late_copy(dst, src)
             lora_apply(out, x, first.pool, 0, module, first.meta)
 
     step()  # compile outside the capture
@@ -49,6 +52,8 @@ def replay_checked(module: str, launches: int, batches: tuple[tuple[int, int], .
             x.fill_(float("nan"))
             for out in ys:
                 out.fill_(float("nan"))
+            for buf in first.meta.scratch.values():
+                buf.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         rows = case.adapter_rows()

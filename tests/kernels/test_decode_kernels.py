@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from loraplane.kernels import LoRABatchMeta, ModuleSpec, lora_apply
+from loraplane.kernels import LoRABatchMeta, ModuleSpec, fast_launch, lora_apply
 from loraplane.kernels.launch_config import (
     CapturePolicy,
     LaunchConfig,
@@ -21,7 +21,7 @@ from loraplane.kernels.launch_config import (
     set_capture_policy,
 )
 from loraplane.kernels.pdl import pdl_available
-from loraplane.kernels.triton_decode import decode_split
+from loraplane.kernels.triton_decode import _shrink_decode_kernel, decode_split
 from tests.kernels.graph_replay import replay_checked
 from tests.kernels.lora_case import make_case
 from tests.kernels.test_many import check_pools_sharing_x
@@ -159,7 +159,9 @@ def test_gpu_pdl_launches_wait_for_the_kernels_ahead(module, dot):
         case = replay_checked(module, 4, ((57, 1), (64, 16), (9, 3)), produced=True)
     finally:
         set_capture_policy(**dataclasses.asdict(old))
-    assert pdl_available(case.x) == (torch.cuda.get_device_capability()[0] >= 9)
+    if pdl_available(case.x):  # the launches recorded for this device were compiled to wait
+        compiled = [dict(key[1])["GDC"] for key in fast_launch._RECORDED if key[0] is _shrink_decode_kernel]
+        assert True in compiled
 
 
 def test_captured_decode_takes_the_decode_kernels_by_default_no_wider_than_a_slice():

@@ -12,6 +12,7 @@ Triton without grid dependency control) the kernel is compiled without the wait 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -42,9 +43,10 @@ def launch_dependents(GDC: tl.constexpr):
 
 def pdl_available(t: torch.Tensor) -> bool:
     """Programmatic dependent launch is there for kernels on ``t``'s device: a CUDA device of compute
-    capability 9.0 or later, and a Triton with grid dependency control and its ``launch_pdl`` option."""
-    if not t.is_cuda or gdc_wait is None:
-        return False
+    capability 9.0 or later, a Triton with grid dependency control and its ``launch_pdl`` option, and not
+    Triton's interpreter."""
+    if not t.is_cuda or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False  # the interpreter runs no inline assembly, so no griddepcontrol
     return _pdl_device(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 

@@ -143,8 +143,9 @@ def _shrink_decode_kernel(
     # MULTI: slice s from its own pool, at element offsets ao_s (A), po_s (page table), ro_s (ranks).
     # DOT: tiles of several tokens take tl.dot; else every tile goes a token at a time.
     # GDC: launched with programmatic dependent launch (kernels/pdl.py). What a program reads before its
-    # wait is the step's metadata (tiles, token order, ranks, page table), which the host uploaded before
-    # the graph ran and no kernel writes; x, v and y come after it.
+    # wait is the step's metadata (tiles, token order, ranks, scales, page table): written by copies from
+    # the host before the step, or by a pool's release between steps, which a kernel that waits at its top
+    # (the decoder's norm) always follows; x, A, v and y come after the wait.
     launch_dependents(GDC)  # the expand after us may start its programs: they wait for all of ours
     stride_xt = _aligned(stride_xt, X_ALIGN)
     stride_as = _aligned(stride_as, A_ALIGN)

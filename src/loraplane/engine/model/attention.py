@@ -197,6 +197,8 @@ def _paged_decode_kernel(q_ptr, kc_ptr, vc_ptr, bt_ptr, lens_ptr, out_ptr, part_
     walks its share of the context, BLOCK_N positions (several pages) per iteration, with an online softmax.
     NUM_SPLITS is a run-time argument (Triton specialises the value 1), so one compiled kernel serves every
     split count."""
+    wait_for_kernel_ahead(GDC)
+    launch_dependents(GDC)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
