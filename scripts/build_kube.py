@@ -13,6 +13,7 @@ Usage: python scripts/build_kube.py [--version v1.37.2] [--go go] [--force]
 from __future__ import annotations
 
 import argparse
+import fcntl
 import importlib.util
 import json
 import os
@@ -108,9 +109,20 @@ def answers(binary: Path, version: str) -> bool:
 
 def build(go: str, version: str, force: bool) -> Path:
     root = cache_root() / f"{version}-{go_version(go)}"
-    bin_dir, src = root / "bin", root / "src"
+    bin_dir = root / "bin"
     if not force and all(answers(bin_dir / name, version) for name in BINARIES):
         return bin_dir
+    root.mkdir(parents=True, exist_ok=True)
+    # Two test runs at once share this cache: one builds, the other waits and then finds the binaries.
+    with open(root / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not force and all(answers(bin_dir / name, version) for name in BINARIES):
+            return bin_dir
+        return _build_locked(go, version, root)
+
+
+def _build_locked(go: str, version: str, root: Path) -> Path:
+    bin_dir, src = root / "bin", root / "src"
     env = {**os.environ, "GOFLAGS": "-mod=mod", "CGO_ENABLED": "0"}
     shutil.rmtree(src, ignore_errors=True)
     src.mkdir(parents=True)
