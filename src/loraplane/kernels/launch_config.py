@@ -93,9 +93,10 @@ class CapturePolicy:
     columns per shrink program and ``decode_n`` output columns per expand program (powers of two, >= 16;
     no wider than the widest slice), ``decode_warps`` warps a program; off, ``table`` and the fields above
     shape the general kernels; ``decode_dot``: tiles of several tokens of one adapter take ``tl.dot``
-    (else the one-token path, a token at a time); ``fused`` wins. ``pdl``: the decode kernels go out with programmatic dependent launch where the GPU has it
-    (compute capability 9.0 and later): inside the graph each one starts while its predecessor drains, its
-    programs read their tile's metadata, then wait for the predecessor's writes before reading x, v or y.
+    (else the one-token path, a token at a time); ``fused`` wins. ``pdl``: the decode kernels go out with
+    programmatic dependent launch where the GPU has it (compute capability 9.0 and later): inside the graph
+    each one starts while its predecessor drains, its programs read their tile's metadata, then wait for
+    the predecessor's writes before reading x, v or y.
     """
 
     tile_programs: int = 0

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from loraplane.engine.model.fused_ops import model_pdl
-from loraplane.kernels.pdl import launch_dependents, pdl_option, wait_for_kernel_ahead
+from loraplane.engine.model.fused_ops import model_pdl_args
+from loraplane.kernels.pdl import launch_dependents, wait_for_kernel_ahead
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,9 +76,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         v_cache.view(-1, H, D).index_copy_(0, slot_mapping, v)
         return
     assert k.stride(1) == D and v.stride(1) == D and k_cache.is_contiguous()
-    gdc = model_pdl(k)
     _write_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), ROW=H * D,
-                           BLOCK=triton.next_power_of_2(H * D), GDC=gdc, num_warps=4, **pdl_option(gdc))  # fmt: skip
+                           BLOCK=triton.next_power_of_2(H * D), num_warps=4, **model_pdl_args(k))  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------- prefill (SDPA)
@@ -326,18 +325,18 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if splits > 1:
         part = torch.empty(B, Hq, splits, d_pad, dtype=torch.float32, device=q.device)
         ml = torch.empty(B, Hq, splits, 2, dtype=torch.float32, device=q.device)
-    gdc = model_pdl(q)
+    pdl = model_pdl_args(q)
     _paged_decode_kernel[(B, Hkv, splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part, ml, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=D, D_PAD=d_pad, BLOCK_SIZE=block_size,
-        BLOCK_N=max(block_n, block_size), IEEE=q.dtype == torch.float32, GDC=gdc, num_warps=num_warps,
-        num_stages=num_stages, **pdl_option(gdc),
+        BLOCK_N=max(block_n, block_size), IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        num_stages=num_stages, **pdl,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(B, Hq)](part, ml, out, out.stride(0), out.stride(1), Hq, D=D, D_PAD=d_pad,
-                                      NUM_SPLITS=splits, GDC=gdc, num_warps=4, **pdl_option(gdc))  # fmt: skip
+                                      NUM_SPLITS=splits, num_warps=4, **pdl)  # fmt: skip
     return out
 
 

@@ -31,6 +31,12 @@ def model_pdl(t: torch.Tensor) -> bool:
     return _PDL[0] and pdl_available(t)
 
 
+def model_pdl_args(t: torch.Tensor) -> dict:
+    """A decoder kernel's ``GDC`` flag and launch option for a launch on ``t``'s device."""
+    on = model_pdl(t)
+    return {"GDC": on, **pdl_option(on)}
+
+
 # ---------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, N, eps,
@@ -80,10 +86,9 @@ def rmsnorm(
     T, N = x.shape
     out = torch.empty_like(x)
     res = residual if residual is not None else x
-    gdc = model_pdl(x)
     _rmsnorm_kernel[(T,)](x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), N, eps,
-                          HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), GDC=gdc, num_warps=8,
-                          **pdl_option(gdc))  # fmt: skip
+                          HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(N), num_warps=8,
+                          **model_pdl_args(x))  # fmt: skip
     return out, residual
 
 
@@ -110,9 +115,8 @@ def silu_mul(gate_up: torch.Tensor, triton_: bool | None = None) -> torch.Tensor
     T = gate_up.shape[0]
     out = gate_up.new_empty((T, F_))
     BLOCK = 1024
-    gdc = model_pdl(gate_up)
-    _silu_mul_kernel[(T, triton.cdiv(F_, BLOCK))](gate_up, out, F_, BLOCK=BLOCK, GDC=gdc, num_warps=4,
-                                                  **pdl_option(gdc))  # fmt: skip
+    _silu_mul_kernel[(T, triton.cdiv(F_, BLOCK))](gate_up, out, F_, BLOCK=BLOCK, num_warps=4,
+                                                  **model_pdl_args(gate_up))  # fmt: skip
     return out
 
 
@@ -188,8 +192,7 @@ def rope_and_store_kv(qkv: torch.Tensor, num_q: int, num_kv: int, positions: tor
     if not store:  # profiling run before the cache exists: rotate only
         k_cache = v_cache = qkv
         slot_mapping = torch.full((T,), -1, dtype=torch.int64, device=qkv.device)
-    gdc = model_pdl(qkv)
     _rope_store_kernel[(T,)](qkv, positions, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0),
                              NUM_Q=num_q, NUM_KV=num_kv, D=D, HALF=D // 2,
                              BLOCK_HALF=triton.next_power_of_2(D // 2), BLOCK_H=triton.next_power_of_2(H),
-                             GDC=gdc, num_warps=4, **pdl_option(gdc))  # fmt: skip
+                             num_warps=4, **model_pdl_args(qkv))  # fmt: skip
