@@ -76,6 +76,12 @@ def test_operator_run_process_serves_liveness_and_metrics(control_plane, namespa
     for doc in rbac:
         control_plane.create(doc)
     account = next(d for d in rbac if d["kind"] == "ServiceAccount")["metadata"]["name"]
+    token = control_plane.service_account_token(namespace, account)
+    # The API server's RBAC cache takes the new Role a moment later; an operator started before then
+    # spends its first list in kopf's 403 backoff. Start it once the account can list what it watches.
+    lorabases = control_plane.path("loraplane.dev/v1alpha1", "LoRABase", "", namespace)
+    wait_for(lambda: control_plane.request("GET", lorabases, token=token)[0] == 200, timeout=30,
+             what="the Role to take effect")  # fmt: skip
     kubeconfig = control_plane.service_account_kubeconfig(namespace, account)
     metrics_port, live_port = free_port(), free_port()
     command = [sys.executable, "-m", "loraplane.cli", "operator", "run", "--namespace", namespace, "--standalone",
@@ -85,15 +91,17 @@ def test_operator_run_process_serves_liveness_and_metrics(control_plane, namespa
     proc = subprocess.Popen(
         command, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
+    failure: AssertionError | None = None
     try:
         get = lambda url: urllib.request.urlopen(url, timeout=2).read().decode()  # noqa: E731
         wait_for(lambda: get(f"http://127.0.0.1:{live_port}/healthz"), timeout=60, what="liveness")
         control_plane.create({"apiVersion": "loraplane.dev/v1alpha1", "kind": "LoRABase",
                               "metadata": {"name": "demo", "namespace": namespace},
                               "spec": {"model": {"uri": "s3://m/", "sha256": "ab" * 32}, "replicas": 0}})  # fmt: skip
+        # Generous: on a loaded 2-core host kopf's start-up and first reconcile take seconds each.
         wait_for(
             lambda: control_plane.get("apps/v1", "Deployment", "demo", namespace),
-            timeout=30,
+            timeout=90,
             what="the Deployment",
         )
         text = wait_for(
@@ -102,9 +110,11 @@ def test_operator_run_process_serves_liveness_and_metrics(control_plane, namespa
                 and 'loraplane_operator_reconcile_total{kind="LoRABase",result="ok"}' in t
                 and t
             ),
-            timeout=30,
+            timeout=60,
         )
         assert "loraplane_operator_reconcile_seconds_bucket" in text
+    except AssertionError as exc:
+        failure = exc
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -112,4 +122,6 @@ def test_operator_run_process_serves_liveness_and_metrics(control_plane, namespa
         except subprocess.TimeoutExpired:
             proc.kill()
             output = proc.communicate()[0]
+    if failure is not None:  # what the operator said explains a wait that ran out
+        raise AssertionError(f"{failure}\n--- operator output ---\n{output[-4000:]}") from failure
     assert proc.returncode == 0, output[-3000:]
