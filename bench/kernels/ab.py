@@ -52,51 +52,90 @@ COLUMNS = [
 
 
 def load_baseline(where: str):
-    """Import a src/loraplane/kernels/ package from a folder (or a git ref) under the name ``kernels_baseline``."""
-    folder = Path(where)
-    if not (folder / "triton_ops.py").is_file():
-        folder = Path(tempfile.mkdtemp(prefix="kernels-baseline-"))
-        files = subprocess.run(
+    """Import a src/loraplane/kernels/ package from a folder (or a git ref) as ``kernels_baseline``.
+
+    The package's own absolute imports (``loraplane.kernels.x``) are rewritten to ``kernels_baseline.x`` in a
+    private copy, so the baseline runs wholly on its own modules and never on this tree's."""
+    folder = Path(tempfile.mkdtemp(prefix="kernels-baseline-"))
+    source = Path(where)
+    if (source / "triton_ops.py").is_file():
+        files = {f.name: f.read_bytes() for f in source.glob("*.py")}
+    else:
+        names = subprocess.run(
             ["git", "ls-tree", "--name-only", where, "src/loraplane/kernels/"],
             check=True,
             capture_output=True,
             text=True,
         ).stdout.split()
-        for f in files:
-            blob = subprocess.run(["git", "show", f"{where}:{f}"], check=True, capture_output=True).stdout
-            (folder / Path(f).name).write_bytes(blob)
+        files = {
+            Path(f).name: subprocess.run(
+                ["git", "show", f"{where}:{f}"], check=True, capture_output=True
+            ).stdout
+            for f in names
+            if f.endswith(".py")
+        }
+    if "__init__.py" not in files:
+        raise SystemExit(f"--ab {where}: no src/loraplane/kernels/ package there")
+    for name, blob in files.items():
+        (folder / name).write_bytes(blob.replace(b"loraplane.kernels", b"kernels_baseline"))
     spec = importlib.util.spec_from_file_location(
         "kernels_baseline", folder / "__init__.py", submodule_search_locations=[str(folder)]
     )
     mod = importlib.util.module_from_spec(spec)
     sys.modules["kernels_baseline"] = mod
     spec.loader.exec_module(mod)
-    return importlib.import_module("kernels_baseline.triton_ops")
+    return mod
 
 
-def _old_fn(old, bank, meta, x, y):
-    pool, spec = bank.pool, bank.spec
-    cfg = old.pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
-    tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
-    a, bt, starts = pool.a[(0, "m")], pool.bt[(0, "m")], pool.out_starts_tensor("m")
-    return lambda: old.lora_apply_triton(y, x, a, bt, tables, spec.out_dims, starts, meta, cfg)
+def mirror_pool(old, pool):
+    """The baseline's own LoRAPool holding the same adapters, pages and weights as ``pool`` (one layer,
+    module "m"), so both sides read identical bytes from identical page rows."""
+    spec = pool.modules["m"]
+    old_spec = old.ModuleSpec(
+        spec.in_dim, spec.out_dims, slice_starts=spec.slice_starts, y_width=spec.y_width
+    )
+    twin = old.LoRAPool(
+        {"m": old_spec},
+        1,
+        pool.num_pages * pool.page_bytes,
+        page_rank=pool.page_rank,
+        max_rank=pool.max_rank,
+        max_adapters=pool.max_adapters,
+        dtype=pool.dtype,
+        device=pool.device,
+    )
+    # Allocation order decides page placement: replay it (a fresh pool hands out pages in ascending order).
+    held = [slot for slot, rank in enumerate(pool.host_ranks()) if rank]
+    for slot in sorted(held, key=lambda s: pool.pages_of(s)[0]):
+        got = twin.allocate(pool.rank_of(slot), pool.scale_of(slot), slot)
+        if not torch.equal(twin.rows_of(got).cpu(), pool.rows_of(slot).cpu()):
+            raise AssertionError(f"baseline pool placed slot {slot} on other page rows")
+    twin.a[(0, "m")].copy_(pool.a[(0, "m")])
+    twin.bt[(0, "m")].copy_(pool.bt[(0, "m")])
+    return twin
+
+
+def _old_fn(old, twin, reqs, T: int, x, y):
+    """The baseline's lora_apply on its own pool and its own metadata for the same requests."""
+    meta = _build_meta(old.LoRABatchMeta, twin, reqs, T)
+    return lambda: old.lora_apply(y, x, twin, 0, "m", meta)
 
 
 def _new_fn(bank, meta, x, y):
     return lambda: lora_apply(y, x, bank.pool, 0, "m", meta)
 
 
+def _build_meta(meta_class, pool, reqs, T: int):
+    capture = len(reqs) == T  # decode: one token a request
+    meta = meta_class(
+        T, pool.device, tile_m=16 if capture else 64, capture=capture, max_rank=max(pool.host_ranks())
+    )
+    return meta.build(reqs, pool.host_ranks())
+
+
 def _meta(bank, phase, T, n, main):
     reqs = [(bank.slots[a], c) for a, c in main["case_requests"](phase, T, n)]
-    capture = phase == "decode"
-    meta = LoRABatchMeta(
-        T,
-        bank.pool.device,
-        tile_m=16 if capture else 64,
-        capture=capture,
-        max_rank=max(bank.pool.host_ranks()),
-    )
-    return meta.build(reqs, bank.pool.host_ranks()), reqs
+    return _build_meta(LoRABatchMeta, bank.pool, reqs, T), reqs
 
 
 def _timed(fns_by_side: dict, graphed, warm_only: bool) -> dict:
@@ -164,15 +203,16 @@ def run(argv: list[str], main: dict) -> dict:
 def ab_case(old, bank, case, main: dict, bw: float, warm_only: bool) -> dict:
     """One case, baseline and new kernels on the same pool, metadata and inputs."""
     phase, T, n = case
-    meta, _ = _meta(bank, phase, T, n, main)
+    meta, reqs = _meta(bank, phase, T, n, main)
+    twin = mirror_pool(old, bank.pool)
     sets = main["io_sets"](bank.spec, T, main["SETS"])
     x, y = sets[0]
     before, after = y.clone(), y.clone()
-    _old_fn(old, bank, meta, x, before)()
+    _old_fn(old, twin, reqs, T, x, before)()
     _new_fn(bank, meta, x, after)()
     times = _timed(
         {
-            "before": [_old_fn(old, bank, meta, x, y) for x, y in sets],
+            "before": [_old_fn(old, twin, reqs, T, x, y) for x, y in sets],
             "after": [_new_fn(bank, meta, x, y) for x, y in sets],
         },
         main["_graphed"],
