@@ -39,6 +39,7 @@ from synth import adapter_weights  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pdl_rows import pdl_rows  # noqa: E402
 from step_profile import step_profile  # noqa: E402
+from sweep import SWEEP, recapture, sweep_policies  # noqa: E402
 
 PREFILL_SEQS, PREFILL_LEN = 8, 256  # T = 2048
 MIXED_RANKS = (8, 16, 32, 64)
@@ -114,56 +115,6 @@ def lora_bytes(runner: ModelRunner, adapters) -> int:
     return sum(runner.lora.gpu.bytes_of[k] for k in keys)
 
 
-# CapturePolicy fields tried for the captured (graph) LoRA launches; {} is the default (the decode-shaped
-# kernels, kernels/triton_decode.py, 512 input columns a shrink program and 1024 output columns an expand
-# program). {"decode": False}: the general kernels shaped by DECODE_TABLE; "decode_k": wider shrink blocks;
-# "decode_dot": False takes tiles of several tokens a token at a time.
-SWEEP = (
-    {"decode": False},
-    {},
-    {"decode_k": 1024},
-    {"decode_k": 256},
-    {"decode_dot": False},
-    {"pdl": True},
-    {"decode_warps": 8},
-)
-
-
-def recapture(runner: ModelRunner, sizes: tuple[int, ...]) -> None:
-    """The LoRA graph families captured again (under the current capture policy) for ``sizes``."""
-    runner.capture_lora_graphs(sizes)
-
-
-def sweep_policies(runner: ModelRunner, cases: dict, median_ms, base_decode,
-                   policies: tuple[dict, ...] = SWEEP) -> tuple[list[dict], dict]:  # fmt: skip
-    """Each policy (SWEEP's by default) on the B=64 graph: step ms per case; returns the rows and the
-    fastest policy."""
-    rows, best = [], (float("inf"), {})
-    for policy in policies:
-        try:
-            set_capture_policy(**policy)
-            recapture(runner, (B,))
-            base_ms = base_decode()
-            times = {
-                name: measure(runner, decode_batch(runner, ads), median_ms, False)
-                for name, ads in cases.items()
-            }
-        except Exception as exc:  # a policy this device or Triton can't run: its row says why, the rest go on
-            rows.append(
-                {"case": f"sweep {policy}", "section": "sweep", "error": f"{type(exc).__name__}: {exc}"}
-            )
-            print(json.dumps(rows[-1]), flush=True)
-            continue
-        rows.append({"case": f"sweep {policy or 'default'}", "section": "sweep", "base_step_ms": base_ms,
-                     **{f"{k}_ms": v for k, v in times.items()}, "sum_x_base": sum(times.values()) / base_ms})  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-        # Ranked by the summed step time, not by ratios to the base: the base step drifts by up to 8 % within
-        # a run (clocks), while the policies are measured back to back on the same device.
-        rows[-1]["sum_ms"] = sum(times.values())
-        best = min(best, (rows[-1]["sum_ms"], policy), key=lambda b: b[0])
-    return rows, best[1]
-
-
 def row(
     case: str, step_ms: float, base_ms: float, nbytes: int, bw: float, target: float | None, **extra
 ) -> dict:
@@ -195,6 +146,8 @@ def run(argv: list[str]) -> dict:
     if args.quick:
         torch.set_num_threads(1)
     torch.manual_seed(0)
+    started = time.perf_counter()  # progress on stderr: a run cut short still says how far it got
+    say = lambda what: print(f"# {time.perf_counter() - started:.0f} s: {what}", file=sys.stderr, flush=True)  # noqa: E731
     raw = TINY if args.quick else LLAMA3_8B
     cfg = ModelConfig.from_dict(raw, max_model_len=2048)
     tmp = Path(tempfile.mkdtemp(prefix="lora-decode-bench-"))
@@ -202,10 +155,13 @@ def run(argv: list[str]) -> dict:
     model = random_model(cfg, device, dtype)
     median_ms = timer(device)
     bw = copy_bandwidth(device, median_ms)
+    say("model ready")
     common = dict(model=str(tmp), max_model_len=2048, max_num_seqs=B, max_num_batched_tokens=4096,
                   gpu_memory_utilization=0.85, device=device.type, dtype=str(dtype).removeprefix("torch."))  # fmt: skip
     # KV for B sequences of CTX tokens (and the prefill's): both engines stay alive side by side
     common["num_kv_blocks"] = B * (CTX // 16 + 2) + 64
+    # Every decode case runs B rows: graphs of other sizes (and their compiles) would only delay the first row.
+    common["cuda_graph_batch_sizes"] = (B,)
     # -- the base engine: the reference steps, measured again beside every decode case --
     base = ModelRunner(EngineConfig(enable_lora=False, **common), model=model, model_config=cfg)
     for layer in model.model.layers:  # random KV, never zeros
@@ -216,6 +172,7 @@ def run(argv: list[str]) -> dict:
     base_kv = [(layer.self_attn.k_cache, layer.self_attn.v_cache) for layer in model.model.layers]
     base_batch = decode_batch(base, [None] * B)
     base_host = host_ms(base, base_batch)
+    say("base engine ready")
     base_samples: list[float] = []
     wrapped: list = []  # the LoRA engine's step state, once it wraps the shared model
 
@@ -239,6 +196,7 @@ def run(argv: list[str]) -> dict:
         layer.self_attn.k_cache.normal_()
         layer.self_attn.v_cache.normal_()
     register_adapters(runner, cfg, dtype, pin=device.type == "cuda")
+    say(f"LoRA engine ready ({init_s:.0f} s) and adapters registered")
     rows: list[dict] = []
 
     def decode(case, adapters, target_x=None, merge=False, families=True):
@@ -270,9 +228,10 @@ def run(argv: list[str]) -> dict:
         sweep_rows, best = sweep_policies(
             runner,
             {"one": one, "d64": d64, "qv64": qv, "mixed": mixed},
-            median_ms,
+            lambda ads: measure(runner, decode_batch(runner, ads), median_ms, False),
             base_decode,
             tuple(args.policies or SWEEP),
+            B,
         )
         rows += sweep_rows
         set_capture_policy(**best)
