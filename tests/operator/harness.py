@@ -152,6 +152,13 @@ def render_operator_rbac(namespace: str) -> list[dict]:
     return load_docs(out.stdout)
 
 
+def wait_until_rbac_applies(plane, namespace: str, token: str) -> None:
+    """Block until ``token`` may list LoRABases in ``namespace``: the API server's RBAC cache takes a new Role
+    a moment after it is created, and an operator started before then begins in kopf's 403 backoff."""
+    path = plane.path("loraplane.dev/v1alpha1", "LoRABase", "", namespace)
+    wait_for(lambda: plane.request("GET", path, token=token)[0] == 200, timeout=30, what="the Role to apply")
+
+
 class World:
     """One namespace with the chart's RBAC and a LoRABase ``demo`` whose Pods run fake admin servers."""
 
@@ -165,6 +172,7 @@ class World:
         for doc in rbac:
             plane.create(doc)
         self.service_account = next(d for d in rbac if d["kind"] == "ServiceAccount")
+        wait_until_rbac_applies(plane, namespace, self.operator_token())
         self.secret("admin-token", {"token": TOKEN})
         self.secret("signers", {"release.pem": keys.public_pem.decode()})
         self.secret("s3", {"AWS_ACCESS_KEY_ID": s3.access_key, "AWS_SECRET_ACCESS_KEY": s3.secret_key})

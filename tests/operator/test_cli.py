@@ -69,19 +69,14 @@ def test_operator_run_process_serves_liveness_and_metrics(control_plane, namespa
     import sys
     import urllib.request
 
-    from tests.operator.harness import render_operator_rbac, wait_for
+    from tests.operator.harness import render_operator_rbac, wait_for, wait_until_rbac_applies
     from tests.s3_servers import free_port
 
     rbac = render_operator_rbac(namespace)
     for doc in rbac:
         control_plane.create(doc)
     account = next(d for d in rbac if d["kind"] == "ServiceAccount")["metadata"]["name"]
-    token = control_plane.service_account_token(namespace, account)
-    # The API server's RBAC cache takes the new Role a moment later; an operator started before then
-    # spends its first list in kopf's 403 backoff. Start it once the account can list what it watches.
-    lorabases = control_plane.path("loraplane.dev/v1alpha1", "LoRABase", "", namespace)
-    wait_for(lambda: control_plane.request("GET", lorabases, token=token)[0] == 200, timeout=30,
-             what="the Role to take effect")  # fmt: skip
+    wait_until_rbac_applies(control_plane, namespace, control_plane.service_account_token(namespace, account))
     kubeconfig = control_plane.service_account_kubeconfig(namespace, account)
     metrics_port, live_port = free_port(), free_port()
     command = [sys.executable, "-m", "loraplane.cli", "operator", "run", "--namespace", namespace, "--standalone",
