@@ -115,9 +115,9 @@ def mirror_pool(old, pool):
     return twin
 
 
-def _old_fn(old, twin, reqs, T: int, x, y):
+def _old_fn(old, twin, reqs, T: int, capture: bool, x, y):
     """The baseline's lora_apply on its own pool and its own metadata for the same requests."""
-    meta = _build_meta(old.LoRABatchMeta, twin, reqs, T)
+    meta = _build_meta(old.LoRABatchMeta, twin, reqs, T, capture)
     return lambda: old.lora_apply(y, x, twin, 0, "m", meta)
 
 
@@ -125,8 +125,8 @@ def _new_fn(bank, meta, x, y):
     return lambda: lora_apply(y, x, bank.pool, 0, "m", meta)
 
 
-def _build_meta(meta_class, pool, reqs, T: int):
-    capture = len(reqs) == T  # decode: one token a request
+def _build_meta(meta_class, pool, reqs, T: int, capture: bool):
+    """``capture``: decode metadata for a captured graph (16-token tiles), else prefill's (64)."""
     meta = meta_class(
         T, pool.device, tile_m=16 if capture else 64, capture=capture, max_rank=max(pool.host_ranks())
     )
@@ -135,7 +135,7 @@ def _build_meta(meta_class, pool, reqs, T: int):
 
 def _meta(bank, phase, T, n, main):
     reqs = [(bank.slots[a], c) for a, c in main["case_requests"](phase, T, n)]
-    return _build_meta(LoRABatchMeta, bank.pool, reqs, T), reqs
+    return _build_meta(LoRABatchMeta, bank.pool, reqs, T, phase == "decode"), reqs
 
 
 def _timed(fns_by_side: dict, graphed, warm_only: bool) -> dict:
@@ -174,17 +174,18 @@ def run(argv: list[str], main: dict) -> dict:
         spec = main["SHAPES"][name]
         for rname, ranks in main["RANKS"].items():
             bank = main["make_bank"](spec, ranks, main["RESIDENT"])
+            twin = mirror_pool(old, bank.pool)
             for phase, T, n in CASES:
-                row = ab_case(old, bank, (phase, T, n), main, bw, args.warm_only)
+                row = ab_case(old, twin, bank, (phase, T, n), main, bw, args.warm_only)
                 row.update(shape=name, rank=rname)
                 rows.append(row)
                 print(_line(row), flush=True)
-            del bank
+            del bank, twin
             torch.cuda.empty_cache()
     if not args.no_ragged:
         rows += ragged_rows(main, bw, args.warm_only)
     return {
-        "title": "kernels before/after (us, H200 bf16, CUDA-graph replay, median of rounds, L2 flushed)",
+        "title": "kernels before/after (us, bf16, CUDA-graph replay, median of rounds, L2 flushed)",
         "columns": COLUMNS,
         "rows": rows,
         "meta": {
@@ -200,19 +201,20 @@ def run(argv: list[str], main: dict) -> dict:
     }
 
 
-def ab_case(old, bank, case, main: dict, bw: float, warm_only: bool) -> dict:
-    """One case, baseline and new kernels on the same pool, metadata and inputs."""
+def ab_case(old, twin, bank, case, main: dict, bw: float, warm_only: bool) -> dict:
+    """One case: the baseline on ``twin`` (its mirror of the bank's pool) and this tree's kernels on the
+    bank's pool, with the same requests and inputs."""
     phase, T, n = case
     meta, reqs = _meta(bank, phase, T, n, main)
-    twin = mirror_pool(old, bank.pool)
+    capture = phase == "decode"
     sets = main["io_sets"](bank.spec, T, main["SETS"])
     x, y = sets[0]
     before, after = y.clone(), y.clone()
-    _old_fn(old, twin, reqs, T, x, before)()
+    _old_fn(old, twin, reqs, T, capture, x, before)()
     _new_fn(bank, meta, x, after)()
     times = _timed(
         {
-            "before": [_old_fn(old, twin, reqs, T, x, y) for x, y in sets],
+            "before": [_old_fn(old, twin, reqs, T, capture, x, y) for x, y in sets],
             "after": [_new_fn(bank, meta, x, y) for x, y in sets],
         },
         main["_graphed"],

@@ -67,11 +67,12 @@ def test_the_mirrored_pool_gives_the_same_delta(ab, T, reqs):
     old = ab.load_baseline(str(ROOT / "src/loraplane/kernels"))
     twin = ab.mirror_pool(old, pool)
     requests = [(slots[a], c) for a, c in reqs]
-    meta = ab._build_meta(LoRABatchMeta, pool, requests, T)
+    capture = len(requests) == T  # one token a request: decode
+    meta = ab._build_meta(LoRABatchMeta, pool, requests, T, capture)
     g = torch.Generator().manual_seed(5)
     x, y = torch.randn(T, 40, generator=g), torch.randn(T, 40, generator=g)
     before, after = y.clone(), y.clone()
-    ab._old_fn(old, twin, requests, T, x, before)()
+    ab._old_fn(old, twin, requests, T, capture, x, before)()
     lora_apply(after, x, pool, 0, "m", meta)
     assert not torch.equal(after, y)  # the case adds a delta at all
     torch.testing.assert_close(before, after, rtol=1e-5, atol=1e-5)
