@@ -233,8 +233,9 @@ def make_assignment(args, n_requests: int, alpha: float) -> list[int]:
 
 async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: bool) -> list[dict]:
     arrivals, prompts, lens_out = trace
-    n, rows = len(prompts), []
+    n, rows, clock = len(prompts), [], StepClock(engine)
     if not lora:
+        t_start = time.perf_counter()
         r = await serve_trace(engine, arrivals, prompts, lens_out, [None] * n, tier_of=lambda key: "base")
         rows.append(
             {
@@ -242,11 +243,12 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
                 "section": "slora",
                 "alpha": None,
                 **r,
+                **clock.window(t_start, time.perf_counter()),
             }
         )
         print(json.dumps(rows[-1]), flush=True)
         return rows
-    manager, clock = engine.engine.runner.lora, StepClock(engine)
+    manager = engine.engine.runner.lora
     manager.read = read_file  # files just written: the page cache serves them (see the notes)
     used = sorted({i for alpha in b.args.alphas for i in make_assignment(b.args, n, alpha)})
     folders = write_adapter_files(

@@ -61,6 +61,10 @@ def report(rows: list[dict], floors: dict, b) -> dict:
             "loads",
             "step_ms_p50",
             "step_ms_max",
+            "own_ms_p50",
+            "own_ms_p99",
+            "in_steps_s",
+            "outside_steps_s",
             "triton_compiles",
             "ttft_p50_ms",
             "ttft_p99_ms",
@@ -87,6 +91,9 @@ def report(rows: list[dict], floors: dict, b) -> dict:
         "notes": [
             "Every request goes through AsyncEngine (the serving loop of `loraplane serve`), driven by an asyncio "
             "client that submits each request at its arrival time and reads its stream.",
+            "step_ms_*: gaps between consecutive step ends (idle waits included); own_ms_*: the engine's step() "
+            "itself; in_steps_s / outside_steps_s: the window's time inside steps and outside them (waiting for "
+            "arrivals or loads, or the loop's own work); slowest_steps (JSON): the five longest steps' contents.",
             "TTFT floor: base TTFT + bytes / disk GB/s (disk tier) + bytes / host-to-device GB/s (disk and host "
             "tiers) + one decode step (the base trace's median inter-token time) when loaded.",
             "TTFT, disk tier: the file is read past the page cache (dropped after the files were written when "
