@@ -226,11 +226,6 @@ async def ttft_rows(b: Bench, engine: AsyncEngine, label: str, floors: dict, lor
     return rows
 
 
-def make_assignment(args, n_requests: int, alpha: float) -> list[int]:
-    idx = np.floor(np.random.default_rng(1).power(alpha, n_requests) * args.adapters).astype(int)
-    return [min(int(i), args.adapters - 1) for i in idx]
-
-
 async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: bool) -> list[dict]:
     arrivals, prompts, lens_out = trace
     n, rows, clock = len(prompts), [], StepClock(engine)
@@ -250,7 +245,9 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
         return rows
     manager = engine.engine.runner.lora
     manager.read = read_file  # files just written: the page cache serves them (see the notes)
-    used = sorted({i for alpha in b.args.alphas for i in make_assignment(b.args, n, alpha)})
+    used = sorted(
+        {i for alpha in b.args.alphas for i in lora_bench.make_assignment(b.args.adapters, n, alpha)}
+    )
     folders = write_adapter_files(
         b, b.tmp / "slora", {f"s{i}": RANKS[i % 4] for i in used}, drop=False, link=True
     )
@@ -262,7 +259,7 @@ async def slora_rows(b: Bench, engine: AsyncEngine, label: str, trace, lora: boo
     for alpha in b.args.alphas:
         for v in manager.versions.values():  # count this trace's loads only
             v.timings.pop("disk_read", None)
-        adapters = [f"s{i}@v1" for i in make_assignment(b.args, n, alpha)]
+        adapters = [f"s{i}@v1" for i in lora_bench.make_assignment(b.args.adapters, n, alpha)]
         b.slora_adapters[alpha] = adapters
         working = sum(b.adapter_bytes(RANKS[int(a[1:].split("@")[0]) % 4]) for a in set(adapters))
         before, compiled, t_start = dict(manager.tier_stats()), triton_compiled(), time.perf_counter()

@@ -23,7 +23,6 @@ class StepClock:
     until an adapter lands); the step's own time does not, so the two split a slow stretch into work and wait."""
 
     def __init__(self, engine) -> None:
-        self.ends: list[float] = []
         self.steps: list[
             tuple[float, float, int, int, int]
         ] = []  # (end, seconds in step(), tokens, seqs, adapters)
@@ -38,7 +37,6 @@ class StepClock:
 
         def listen(stats) -> None:
             end = time.perf_counter()
-            self.ends.append(end)
             self.steps.append((end, end - started[0], stats.num_tokens, stats.num_seqs, stats.num_adapters))
 
         engine.add_step_listener(listen)
@@ -46,12 +44,11 @@ class StepClock:
     def window(self, start: float, end: float) -> dict:
         """Steps that ended in [start, end): how many, the gaps between consecutive ones (ms), the steps' own
         times (ms), the time spent in steps and outside them, and the five slowest steps."""
-        ends = [t for t in self.ends if start <= t < end]
-        gaps = np.diff(ends) * 1e3 if len(ends) > 1 else np.zeros(1)
         steps = [s for s in self.steps if start <= s[0] < end]
+        gaps = np.diff([s[0] for s in steps]) * 1e3 if len(steps) > 1 else np.zeros(1)
         own = np.array([s[1] for s in steps]) * 1e3 if steps else np.zeros(1)
         slowest = sorted(steps, key=lambda s: -s[1])[:5]
-        return {"steps": len(ends), "step_ms_p50": float(np.percentile(gaps, 50)),
+        return {"steps": len(steps), "step_ms_p50": float(np.percentile(gaps, 50)),
                 "step_ms_p99": float(np.percentile(gaps, 99)), "step_ms_max": float(gaps.max()),
                 "own_ms_p50": float(np.percentile(own, 50)), "own_ms_p99": float(np.percentile(own, 99)),
                 "in_steps_s": float(own.sum() / 1e3), "outside_steps_s": float(end - start - own.sum() / 1e3),

@@ -182,8 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     args.adapters = args.adapters or (1000 if gpu else 40)
     args.admin_adapters = args.admin_adapters or ("used" if gpu else "all")
     trace = lora_bench.make_trace(args.requests, args.rate, max_len=512 if gpu else 40)
-    assign = {a: [min(int(i), args.adapters - 1) for i in
-                  np.floor(np.random.default_rng(1).power(a, args.requests) * args.adapters)] for a in args.alphas}  # fmt: skip
+    assign = {a: lora_bench.make_assignment(args.adapters, args.requests, a) for a in args.alphas}
     used = {i for idx in assign.values() for i in idx}
     work = Path(tempfile.mkdtemp(prefix="churn-server-", dir=args.dir))
     built = time.perf_counter()

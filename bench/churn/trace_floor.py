@@ -172,14 +172,14 @@ def simulate(trace, adapters: list[str | None], model: StepModel, lora: bool, po
             sched.add(Sequence(prompts[arrived], params, request_id=str(arrived), adapter=adapters[arrived]))
             arrived += 1
         batch = sched.schedule()
-        if not batch.chunks:  # idle, or every waiting request waits for a load: jump to what comes next
-            events = [float(arrivals[arrived])] if arrived < len(prompts) else []
-            events += [t for t in [pool and residency.next_landing()] if t]
-            if not events or (min(events) <= now[0] and not (pool and residency.tick())):
+        if not batch.chunks:  # idle, or every waiting request waits for a load
+            if pool and residency.tick():  # a load that was due has landed: schedule again
+                continue
+            arrival = float(arrivals[arrived]) if arrived < len(prompts) else None
+            events = [t for t in (arrival, residency.next_landing() if pool else None) if t is not None]
+            if not events or min(events) <= now[0]:
                 raise RuntimeError("the simulated engine stalled with requests left")
-            now[0] = max(now[0], min(events))
-            if pool:
-                residency.tick()
+            now[0] = min(events)  # jump to what comes next
             continue
         step_s = (model.base_ms(batch) + (model.lora_ms(batch) if lora else 0.0)) / 1e3
         now[0] += step_s
@@ -211,7 +211,7 @@ def simulate(trace, adapters: list[str | None], model: StepModel, lora: bool, po
             "loads": residency.loads if pool else 0}  # fmt: skip
 
 
-def run(argv: list[str]) -> dict:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="bench/churn/trace_floor.py")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--requests", type=int, default=100)
@@ -230,15 +230,17 @@ def run(argv: list[str]) -> dict:
     p.add_argument("--load-ms", type=float, default=180.0,
                    help="one load from disk (run 10 p50 read + hash + stack: 72 + 80 + 29 ms)")  # fmt: skip
     p.add_argument("--in-flight", type=int, default=6)
-    args = p.parse_args(argv)
+    return p
+
+
+def run(args: argparse.Namespace) -> dict:
     trace = lora_bench.make_trace(args.requests, args.rate, max_len=512)
     floor = StepModel()
     measured = StepModel(lora_fixed_ms=args.lora_fixed_ms, lora_prefill_share=args.lora_prefill_share)
     base = simulate(trace, [None] * args.requests, floor, lora=False)
     rows = [{"case": "base engine", "alpha": None, **base, "x_base": 1.0}]
     for alpha in args.alphas:
-        idx = np.floor(np.random.default_rng(1).power(alpha, args.requests) * args.adapters).astype(int)
-        adapters = [f"s{min(int(i), args.adapters - 1)}@v1" for i in idx]
+        adapters = [f"s{i}@v1" for i in lora_bench.make_assignment(args.adapters, args.requests, alpha)]
         pool = lambda clock: SimPool(
             args.pool_gb * 1e9, lambda key: args.load_ms / 1e3, args.in_flight, clock
         )  # noqa: E731
@@ -269,6 +271,5 @@ def write(out: dict, folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    result = run(args)
-    write(result, Path(args[args.index("--out") + 1]))
+    cli = parser().parse_args(sys.argv[1:])
+    write(run(cli), cli.out)

@@ -180,6 +180,13 @@ def ttft_rows(runner: ModelRunner, cfg: ModelConfig, engine_cfg, device, dtype, 
     return rows
 
 
+def make_assignment(n_adapters: int, n_requests: int, alpha: float) -> list[int]:
+    """The adapter index of each request: popularity floor(power(alpha) * n), the S-LoRA paper's draw
+    (alpha 1: uniform; smaller alphas favour the last adapters)."""
+    idx = np.floor(np.random.default_rng(1).power(alpha, n_requests) * n_adapters).astype(int)
+    return [min(int(i), n_adapters - 1) for i in idx]
+
+
 def make_trace(n_requests: int, rate: float, seed: int = 0, max_len: int = 512):
     rng = np.random.default_rng(seed)
     arrivals = np.cumsum(rng.exponential(1.0 / rate, n_requests))
@@ -238,8 +245,7 @@ def slora_rows(runner, engine_cfg, cfg, dtype, device, n_requests: int, rate: fl
     for i in range(n_adapters):  # weights shared per rank on the host (values do not matter for speed)
         lora.register(f"s{i}", "v1", Path("/nonexistent"), f"s{i}", shared[ranks[i % 4]])
     for alpha in alphas:
-        idx = np.floor(np.random.default_rng(1).power(alpha, n_requests) * n_adapters).astype(int)
-        adapters = [f"s{min(i, n_adapters - 1)}@v1" for i in idx]
+        adapters = [f"s{i}@v1" for i in make_assignment(n_adapters, n_requests, alpha)]
         r = serve_trace(LLMEngine(engine_cfg, runner=runner), arrivals, prompts, lens_out, adapters)
         rows.append({"case": f"S-LoRA trace alpha={alpha} ({n_requests} req, {rate}/s, {n_adapters} adapters)",
                      "section": "slora", **r})  # fmt: skip
