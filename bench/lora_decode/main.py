@@ -28,6 +28,7 @@ from loraplane.engine.lora.weights import TARGET_MODULES, module_shapes
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.engine.model.runner import ModelRunner
 from loraplane.engine.model.weights import random_model
+from loraplane.kernels.compiles import triton_compiled
 from loraplane.kernels.launch_config import capture_policy, set_capture_policy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: shared shapes and helpers
@@ -133,6 +134,11 @@ def run(argv: list[str]) -> dict:
         "--sweep", action="store_true", help="try SWEEP's capture policies first, keep the fastest"
     )
     parser.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="the sweep's rows and --pdl's pairs alone, without the case rows (a short device call)",
+    )
+    parser.add_argument(
         "--pdl", action="store_true",
         help="end with the base and 64-distinct steps without and with programmatic dependent launch",
     )  # fmt: skip
@@ -187,7 +193,10 @@ def run(argv: list[str]) -> dict:
     row_bytes = sum(cfg.num_layers * (i + o) * elem for i, o in module_shapes(cfg).values())
     lora_cfg = EngineConfig(lora_pool_bytes=2560 * row_bytes, lora_host_bytes=16 << 30, max_lora_rank=64,
                             lora_merge=True, lora_merge_after_steps=4, lora_graph_module_sets=ATTENTION_MODULE_SETS,
-                            **common)  # fmt: skip
+                            lora_kernel_warmup=False, **common)  # fmt: skip
+    # No start-up warm-up of the eager LoRA launches: it compiles every rank, size and module class a server
+    # may meet (216 forwards here, 364 s on a bare H200), while the prefill rows compile their own few shapes
+    # in their untimed first runs.
     t0 = time.perf_counter()
     runner = ModelRunner(lora_cfg, model=model, model_config=cfg)
     init_s = time.perf_counter() - t0
@@ -196,7 +205,9 @@ def run(argv: list[str]) -> dict:
         layer.self_attn.k_cache.normal_()
         layer.self_attn.v_cache.normal_()
     register_adapters(runner, cfg, dtype, pin=device.type == "cuda")
-    say(f"LoRA engine ready ({init_s:.0f} s) and adapters registered")
+    say(
+        f"LoRA engine ready ({init_s:.0f} s, {triton_compiled()} Triton kernels compiled) and adapters registered"
+    )
     rows: list[dict] = []
 
     def decode(case, adapters, target_x=None, merge=False, families=True):
@@ -235,66 +246,75 @@ def run(argv: list[str]) -> dict:
         )
         rows += sweep_rows
         set_capture_policy(**best)
-        recapture(runner, tuple(s for s in lora_cfg.cuda_graph_batch_sizes if s <= B))
-    decode("base-only rows, LoRA engine", [None] * B, 1.02)
-    decode("1 adapter r16 all modules, merged", one, 1.05, merge=True)
-    decode("1 adapter r16 all modules, unmerged", one, 1.05)
-    decode("64 distinct r16 all modules", d64)
-    decode("64 distinct q,v-only r8", [f"qv{i}@v1" for i in range(B)], 1.05)
-    decode(
-        "64 distinct q,v-only r8, all-module graphs", [f"qv{i}@v1" for i in range(B)], 1.05, families=False
-    )
-    decode(
-        "mixed: 32 base-only rows, 32 adapters r8-64",
-        [None if i % 2 == 0 else f"m{i // 2}@v1" for i in range(B)],
-    )
-    if device.type == "cuda":  # where a step's GPU time goes (LoRA kernels, the rest, gaps)
-        for case, engine, ads in (("profile: base engine", base, [None] * B), ("profile: 64 distinct r16", runner, d64),
-                                  ("profile: 64 distinct q,v-only r8", runner, [f"qv{i}@v1" for i in range(B)])):  # fmt: skip
-            batch = decode_batch(engine, ads)
-            rows.append(
-                {
-                    "case": case,
-                    "section": "profile",
-                    **step_profile(lambda e=engine, b=batch: e.forward_logits(b)),
-                }
-            )
-            print(json.dumps(rows[-1]), flush=True)
-    for n in (2, 4, 8, 16, 32):
-        decode(f"{n} distinct r16 all modules", [f"d{i % n}@v1" for i in range(B)])
-    # -- prefill T = 2048 --
-    eight = [f"d{i}@v1" for i in range(8)]
-    for case, ads, merge, first in (("prefill T=2048, 8 distinct r16", eight, False, True),
-                                    ("prefill T=2048, 8 distinct r16, GEMM first", eight, False, False),
-                                    ("prefill T=2048, 1 adapter r16, merged", ["d0@v1"] * 8, True, True),
-                                    ("prefill T=2048, 1 adapter r16, unmerged", ["d0@v1"] * 8, False, True)):  # fmt: skip
-        nbytes = lora_bytes(runner, ads)
-        runner.lora_state.delta_first = first  # off: the GEMM into y, then the expand adds (reads y)
-        try:
-            ms = measure(runner, prefill_batch(runner, ads), median_ms, merge)
-        finally:
-            runner.lora_state.delta_first = True
-        rows.append(row(case, ms, base_pre, nbytes, bw, base_pre * 1.10, section="prefill",
-                        distinct=len(set(ads))))  # fmt: skip
-    # -- what one merge costs: W' = W + delta for every projection (the merged weights dropped first) --
-    merger = runner.merger
-    samples = []
-    for key in ("d1@v1", "d2@v1", "d1@v1"):
-        merger.held = None
-        sync(device)
-        t = time.perf_counter()
-        merger.merge(key)
-        sync(device)
-        samples.append((time.perf_counter() - t) * 1e3)
-    merge_ms = sorted(samples)[1]
-    base_dec = base_decode()
-    rows.append({"case": "one merge (all-module r16, every projection)", "section": "merge",
-                 "step_ms": merge_ms, "base_step_ms": base_dec, "x_base": merge_ms / base_dec})  # fmt: skip
-    print(json.dumps(rows[-1]), flush=True)
+        if not args.sweep_only:  # the PDL pairs capture their own
+            recapture(runner, tuple(s for s in lora_cfg.cuda_graph_batch_sizes if s <= B))
+    if not args.sweep_only:  # the case rows (--sweep-only: the sweep and the PDL pairs alone)
+        decode("base-only rows, LoRA engine", [None] * B, 1.02)
+        decode("1 adapter r16 all modules, merged", one, 1.05, merge=True)
+        decode("1 adapter r16 all modules, unmerged", one, 1.05)
+        decode("64 distinct r16 all modules", d64)
+        decode("64 distinct q,v-only r8", [f"qv{i}@v1" for i in range(B)], 1.05)
+        decode(
+            "64 distinct q,v-only r8, all-module graphs",
+            [f"qv{i}@v1" for i in range(B)],
+            1.05,
+            families=False,
+        )
+        decode(
+            "mixed: 32 base-only rows, 32 adapters r8-64",
+            [None if i % 2 == 0 else f"m{i // 2}@v1" for i in range(B)],
+        )
+        if device.type == "cuda":  # where a step's GPU time goes (LoRA kernels, the rest, gaps)
+            for case, engine, ads in (("profile: base engine", base, [None] * B), ("profile: 64 distinct r16", runner, d64),
+                                      ("profile: 64 distinct q,v-only r8", runner, [f"qv{i}@v1" for i in range(B)])):  # fmt: skip
+                batch = decode_batch(engine, ads)
+                rows.append(
+                    {
+                        "case": case,
+                        "section": "profile",
+                        **step_profile(lambda e=engine, b=batch: e.forward_logits(b)),
+                    }
+                )
+                print(json.dumps(rows[-1]), flush=True)
+        for n in (2, 4, 8, 16, 32):
+            decode(f"{n} distinct r16 all modules", [f"d{i % n}@v1" for i in range(B)])
+        # -- prefill T = 2048 --
+        eight = [f"d{i}@v1" for i in range(8)]
+        for case, ads, merge, first in (("prefill T=2048, 8 distinct r16", eight, False, True),
+                                        ("prefill T=2048, 8 distinct r16, GEMM first", eight, False, False),
+                                        ("prefill T=2048, 1 adapter r16, merged", ["d0@v1"] * 8, True, True),
+                                        ("prefill T=2048, 1 adapter r16, unmerged", ["d0@v1"] * 8, False, True)):  # fmt: skip
+            nbytes = lora_bytes(runner, ads)
+            runner.lora_state.delta_first = first  # off: the GEMM into y, then the expand adds (reads y)
+            try:
+                ms = measure(runner, prefill_batch(runner, ads), median_ms, merge)
+            finally:
+                runner.lora_state.delta_first = True
+            rows.append(row(case, ms, base_pre, nbytes, bw, base_pre * 1.10, section="prefill",
+                            distinct=len(set(ads))))  # fmt: skip
+        # -- what one merge costs: W' = W + delta for every projection (the merged weights dropped first) --
+        merger = runner.merger
+        samples = []
+        for key in ("d1@v1", "d2@v1", "d1@v1"):
+            merger.held = None
+            sync(device)
+            t = time.perf_counter()
+            merger.merge(key)
+            sync(device)
+            samples.append((time.perf_counter() - t) * 1e3)
+        merge_ms = sorted(samples)[1]
+        base_dec = base_decode()
+        rows.append({"case": "one merge (all-module r16, every projection)", "section": "merge",
+                     "step_ms": merge_ms, "base_step_ms": base_dec, "x_base": merge_ms / base_dec})  # fmt: skip
+        print(json.dumps(rows[-1]), flush=True)
     if args.pdl and device.type == "cuda":
         d64_batch = decode_batch(runner, d64)
-        for r in pdl_rows(base, runner, base_kv, wrapped, B, base_decode,
-                          lambda: measure(runner, d64_batch, median_ms, False)):  # fmt: skip
+
+        def d64_step() -> tuple[float, torch.Tensor]:
+            ms = measure(runner, d64_batch, median_ms, False)
+            return ms, runner.forward_logits(d64_batch).clone()  # [B, V]: compared across the pair
+
+        for r in pdl_rows(base, runner, base_kv, wrapped, B, base_decode, d64_step):
             rows.append(r)
             print(json.dumps(r), flush=True)
     return {
@@ -324,6 +344,7 @@ def run(argv: list[str]) -> dict:
             "other_kernel_ms",
             "gaps_ms",
             "n_kernels",
+            "logits_max_abs_diff",
         ],  # fmt: skip
         "rows": rows,
         "meta": {
@@ -335,8 +356,7 @@ def run(argv: list[str]) -> dict:
             "capture policy of the LoRA graphs": str(capture_policy()),
             "LoRA graph module sets (besides all modules)": [sorted(m) for m in runner.module_graphs or {}],
             "base decode step over the run, ms (min, max)": (
-                round(min(base_samples), 3),
-                round(max(base_samples), 3),
+                (round(min(base_samples), 3), round(max(base_samples), 3)) if base_samples else None
             ),
             "base-only engine's graphs kept beside the LoRA engine's": len(base_kv) > 0,
         },
