@@ -69,6 +69,9 @@ def test_deployment_runs_the_server_with_its_contract():
     assert f"--port={B.OPENAI_PORT}" in c["args"] and f"--admin-port={B.ADMIN_PORT}" in c["args"]
     assert "--trusted-keys-dir=/etc/loraplane/trusted-keys" in c["args"]
     assert "--usage-log-dir=/var/cache/loraplane/usage/$(POD_NAME)" in c["args"]  # one folder per pod
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    cache = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "host-cache")
+    assert env["TRITON_CACHE_DIR"].startswith(cache + "/")  # compiled kernels outlive the pod with the cache
     pod_name = next(e for e in c["env"] if e["name"] == "POD_NAME")
     assert pod_name["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "admin": 8001}
