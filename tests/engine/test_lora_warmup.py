@@ -157,6 +157,7 @@ def test_gpu_no_compile_in_steps_after_warmup(make_hf_model, tmp_path):
         folder = save_peft_adapter(base, root / name, seed=i, **ADAPTER_SPECS[name])
         lora.register(name, "v1", folder, f"sha256:{name}", lora.parse(folder))
     compiled = triton_compiled()
+    assert compiled > 0  # the counter sees the warm-up's compilations, so the check below can fail
     rng = random.Random(0)
     for _ in range(12):  # prefill steps of every size class, one or several adapters
         picks = rng.sample(names, rng.randint(1, 3))
