@@ -171,7 +171,9 @@ class Stack:
         """The tail of every Pod's log: what a failed scenario needs to show."""
         if self.runtime is None:
             return ""
-        return "\n".join(f"--- {c.log}\n{container_log_tail(c, 1500)}" for c in self.runtime.started)
+        errors = self.kubelet.errors[-3:] if self.kubelet is not None else []
+        return "\n".join([f"--- kubelet errors: {errors}"] + [f"--- {c.log}\n{container_log_tail(c, 1500)}"
+                                                               for c in self.runtime.started])  # fmt: skip
 
     def admin_calls(self, method: str, name: str = "") -> int:
         """Admin API calls of ``method`` on adapter ``name`` that the server Pods (not the operator's) logged: their

@@ -154,6 +154,9 @@ class Kubelet:
         self.admit_all, self.interval = admit_all, interval
         self.running: dict[str, Running] = {}  # pod name -> what runs it
         self.errors: list[str] = []
+        # Bound Pods whose start failed (no free address yet, a runtime error): each sync tries again, as a
+        # kubelet retries a Pod it has accepted, instead of leaving it Pending for good.
+        self._unstarted: set[str] = set()
         self._allowance = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -230,12 +233,13 @@ class Kubelet:
             if gone:
                 gone.handle.stop()
                 release_address(gone.ip)
+        self._unstarted &= set(pods)
         for name, pod in pods.items():
             if pod["metadata"].get("deletionTimestamp"):
                 self._finish_deletion(name, pod)
             elif name in self.running:
                 self._report(name, pod)
-            elif not pod["spec"].get("nodeName") and self._may_start():
+            elif name in self._unstarted or (not pod["spec"].get("nodeName") and self._may_start()):
                 self._start(name, pod)
 
     def _may_start(self) -> bool:
@@ -248,13 +252,15 @@ class Kubelet:
             return False
 
     def _start(self, name: str, pod: dict) -> None:
-        binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
-                   "target": {"apiVersion": "v1", "kind": "Node", "name": NODE}}  # fmt: skip
-        status, body = self.plane.request(
-            "POST", f"/api/v1/namespaces/{self.namespace}/pods/{name}/binding", binding
-        )
-        if status != 201:
-            raise RuntimeError(f"binding {name}: {status} {body[:200]!r}")
+        if name not in self._unstarted:
+            binding = {"apiVersion": "v1", "kind": "Binding", "metadata": {"name": name},
+                       "target": {"apiVersion": "v1", "kind": "Node", "name": NODE}}  # fmt: skip
+            status, body = self.plane.request(
+                "POST", f"/api/v1/namespaces/{self.namespace}/pods/{name}/binding", binding
+            )
+            if status != 201:
+                raise RuntimeError(f"binding {name}: {status} {body[:200]!r}")
+            self._unstarted.add(name)
         ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c.get("ports") or ()]
         ip = next_address(ports)
         try:
@@ -262,6 +268,7 @@ class Kubelet:
         except BaseException:
             release_address(ip)
             raise
+        self._unstarted.discard(name)
         with self._lock:
             self.running[name] = Running(pod, ip, handle, _now())
         self._report(name)

@@ -79,3 +79,25 @@ def test_deployment_pods_run_on_the_stand_in_and_are_replaced(control_plane, nam
         assert all(
             p["spec"]["nodeName"] == "stand-in" and p["status"]["podIP"].startswith("127.0.0.") for p in pods
         )
+
+
+def test_a_pod_whose_start_failed_is_started_again(control_plane, namespace):  # noqa: F811
+    """A Pod bound to the stand-in whose runtime failed once (a busy address, a spawn error) still runs: the
+    stand-in retries it, as a kubelet retries a Pod it has accepted, instead of leaving it Pending for good."""
+    starts: list[str] = []
+
+    def flaky(pod: dict, ip: str) -> Dummy:
+        starts.append(ip)
+        if len(starts) == 1:
+            raise OSError("address in use")
+        return Dummy(pod, ip)
+
+    control_plane.create({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": namespace},
+                          "spec": {"containers": [{"name": "c", "image": "x"}]}})  # fmt: skip
+    with Kubelet(control_plane, namespace, flaky) as kubelet:
+        (running,) = kubelet.wait_running(1)
+        assert len(starts) == 2 and "address in use" in kubelet.errors[0]
+        pod = wait_for(
+            lambda: (p := control_plane.get("v1", "Pod", "p", namespace))["status"].get("podIP") and p
+        )
+        assert pod["status"]["podIP"] == running.ip and pod["spec"]["nodeName"] == "stand-in"
