@@ -195,7 +195,7 @@ def run(argv: list[str]) -> dict:
                             lora_merge=True, lora_merge_after_steps=4, lora_graph_module_sets=ATTENTION_MODULE_SETS,
                             lora_kernel_warmup=False, **common)  # fmt: skip
     # No start-up warm-up of the eager LoRA launches: it compiles every rank, size and module class a server
-    # may meet (216 forwards here, 364 s on a bare H200), while the prefill rows compile their own few shapes
+    # may meet (216 forwards here: minutes of compiling on a bare GPU), while the prefill rows compile their own few shapes
     # in their untimed first runs.
     t0 = time.perf_counter()
     runner = ModelRunner(lora_cfg, model=model, model_config=cfg)
