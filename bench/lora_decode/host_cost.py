@@ -6,6 +6,10 @@ step), the launch configs (``pick_config``, per call in probe.Step) and the per-
 launches themselves (a direct launch adds the C launcher's few microseconds each; one through Triton's
 binding, tens). Compare with the churn bench's per-sample ``launches`` counts.
 
+Then the launches' own Python: the same step's launches, each through ``FastLaunch.__call__``'s direct path
+with its launcher replaced by a function that does nothing (what a launch costs the CPU before the C
+launcher's few microseconds).
+
     PYTHONPATH=src python bench/lora_decode/host_cost.py
 """
 
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 from probe import OPS, SHAPES, Step, ranks_of
@@ -35,11 +40,39 @@ def small_pools(dev) -> dict[str, LoRAPool]:
     return pools
 
 
+def direct_path_ms(calls: list[tuple]) -> float:
+    """Median ms over 7 runs of ``calls`` ((FastLaunch, args) of one step) through the direct path, each
+    launch adopted with a launcher that does nothing."""
+    fast_launch._current_stream = lambda device: 0  # this process only: there is no stream
+
+    def noop(*call) -> None:
+        return None
+
+    kernel = SimpleNamespace(function=object(), packed_metadata=object())
+    launches = []
+    for launch, args in calls:
+        fresh = fast_launch.FastLaunch(launch.fn, launch.grid, launch.constexprs, **launch.options)
+        fresh._adopt(
+            kernel, noop, (1, 1, 1, 0, kernel.function, kernel.packed_metadata, None, None, None, *args), args
+        )
+        launches.append((fresh, args))
+    times = []
+    for _ in range(7):
+        start = time.perf_counter()
+        for fresh, args in launches:
+            fresh(*args)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def main() -> None:
     launches = [0]
+    calls: list[tuple] = []
+    real_call = fast_launch.FastLaunch.__call__
 
     def counted(self, *args) -> None:
         launches[0] += 1
+        calls.append((self, args))
 
     fast_launch.FastLaunch.__call__ = counted  # this process only: nothing is launched
     dev = torch.device("cpu")
@@ -54,12 +87,18 @@ def main() -> None:
             step.y = {op: torch.zeros(tokens, sum(SHAPES[m][1] for m in OPS[op]), dtype=torch.bfloat16)
                       for op in OPS}  # fmt: skip
             launches[0] = 0
+            calls.clear()
             start = time.perf_counter()
             step()
             times.append((time.perf_counter() - start) * 1e3)
         print(
             f"{name}: {statistics.median(times):.2f} ms host a step (median of 7), {launches[0]} launches left out"
         )
+        fast_launch.FastLaunch.__call__ = real_call
+        print(
+            f"  its {len(calls)} launches through the direct path: {direct_path_ms(calls):.2f} ms (median of 7)"
+        )
+        fast_launch.FastLaunch.__call__ = counted
 
 
 if __name__ == "__main__":

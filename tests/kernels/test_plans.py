@@ -201,6 +201,11 @@ def test_fast_launch_replays_what_triton_passed_and_falls_back_when_specializati
     launch(x, 4097, t)  # an int that is no longer a multiple of 16
     launch(x, 1, t)  # an int equal to 1
     assert fn.bindings == 5 and len(fn.kernel.calls) == 5
+    launch(torch.zeros(16, dtype=torch.float16), 4096, t)  # another dtype
+    assert fn.bindings == 6
+    launch(y, 4096, t)
+    launch(y, 4096, t.long())  # the int32 table as int64
+    assert fn.bindings == 7 and len(fn.kernel.calls) == 8
 
 
 def test_fast_launch_stays_on_tritons_path_when_the_call_does_not_fit(monkeypatch):
@@ -234,3 +239,24 @@ def test_a_later_step_reuses_the_recorded_launcher(monkeypatch):
     assert fn.bindings == 4
     after = fast_launch.launch_counts()  # what benchmarks report per window
     assert (after["triton"] - before["triton"], after["direct"] - before["direct"]) == (2, 1)
+
+
+def test_compile_only_lists_each_shape_once_and_launches_nothing(monkeypatch):
+    """Inside ``compile_only`` a launch only lists its shape (once per shape); ``compile_queued`` then
+    compiles each (Triton's ``warmup``) on a pool of threads; afterwards the same launch runs and is
+    recorded as usual."""
+    from loraplane.kernels import fast_launch
+
+    fn = _FakeJit()
+    x = torch.zeros(16)
+    with fast_launch.compile_only() as queued:
+        _fast(monkeypatch, fn)(x, 64, x)
+        fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 16, "MODE": "x"}, num_warps=4)(x, 32, x)  # same shape
+        fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 32, "MODE": "x"}, num_warps=4)(x, 64, x)
+        fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 16, "MODE": "x"}, num_warps=4)(x, 65, x)  # not % 16
+    assert len(queued) == 3 and fn.bindings == 0 and fn.kernel.calls == []
+    assert fast_launch.compile_queued(queued, threads=2) == 3
+    assert fn.bindings == 3 and fn.kernel.calls == []
+    launch = fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 16, "MODE": "y"}, num_warps=4)
+    launch(x, 64, x)
+    assert len(fn.kernel.calls) == 1 and launch._run is not None

@@ -13,11 +13,14 @@ the fast path is an optimization that can switch itself off, never a second sema
 
 from __future__ import annotations
 
+import contextlib
+import operator
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["FastLaunch", "launch_counts"]
+__all__ = ["FastLaunch", "compile_only", "compile_queued", "launch_counts"]
 
 _ENABLED = os.environ.get("LORAPLANE_TRITON_FAST_LAUNCH", "1") != "0"
 
@@ -27,9 +30,43 @@ first launch, a new specialization, or the fast path off). Benchmarks report bot
 whose launches all go through Triton spends a multiple of its host time on it."""
 
 
+_QUEUE: list[dict | None] = [None]
+"""While ``compile_only`` is active: the launch shapes seen, by ``FastLaunch._key``."""
+
+
 def launch_counts() -> dict[str, int]:
     """A copy of the launch counters (``direct`` / ``triton``)."""
     return dict(_COUNTS)
+
+
+@contextlib.contextmanager
+def compile_only():
+    """Within: a GPU launch that is not recorded yet launches nothing; its shape (kernel, grid, compile-time
+    values, options and arguments) goes in the yielded dict, once per shape, for ``compile_queued``."""
+    _QUEUE[0] = queued = {}
+    try:
+        yield queued
+    finally:
+        _QUEUE[0] = None
+
+
+def compile_queued(queued: dict, threads: int) -> int:
+    """Compile every shape ``compile_only`` queued (Triton's ``warmup``: no launch), on ``threads`` threads
+    through Triton's ``AsyncCompileMode`` where it has one (3.4 and later), else one after another. Compiling
+    runs mostly outside the GIL. Returns how many shapes were queued."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        AsyncCompileMode = None  # noqa: N806
+    if AsyncCompileMode is None or threads <= 1:
+        for launch, args in queued.values():
+            launch.fn.warmup(*args, grid=launch.grid, **launch.constexprs, **launch.options)
+        return len(queued)
+    # Only warmup calls run under the mode: a launch inside it would meet a kernel still compiling.
+    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool):
+        for launch, args in queued.values():
+            launch.fn.warmup(*args, grid=launch.grid, **launch.constexprs, **launch.options)
+    return len(queued)
 
 
 def _unset(hook) -> bool:
@@ -57,6 +94,10 @@ def _on_gpu(args: tuple) -> bool:
     return bool(args) and isinstance(args[0], torch.Tensor) and args[0].is_cuda
 
 
+def _no_ints(args: tuple) -> tuple:
+    return ()
+
+
 def _signature(args: tuple) -> tuple:
     """What Triton specializes a launch on, for the run-time arguments: tensors by dtype and 16-byte
     alignment of their data pointer; ints by divisibility by 16, equality to 1 and 32-bit range."""
@@ -75,7 +116,8 @@ class FastLaunch:
     by name. Returns nothing; raises what Triton raises (compilation errors on the first call).
     """
 
-    __slots__ = ("fn", "grid", "constexprs", "options", "_run", "_tail", "_sig", "_device", "_tried")
+    __slots__ = ("fn", "grid", "constexprs", "options", "_run", "_tail", "_sig", "_device", "_tried", "_grid3",
+                 "_tensors", "_ints_at", "_ints")  # fmt: skip
 
     def __init__(self, fn, grid: tuple[int, ...], constexprs: dict, **options) -> None:
         self.fn, self.grid, self.constexprs, self.options = fn, grid, constexprs, options
@@ -84,25 +126,58 @@ class FastLaunch:
         self._sig: tuple | None = None
         self._device = -1
         self._tried = False  # recording is tried once; if Triton's call does not fit, its path stays
+        self._grid3 = (*grid, 1, 1)[:3]
+        self._tensors: tuple = ()  # (position, dtype, 16-byte aligned) of each tensor argument, once recorded
+        self._ints_at = _no_ints  # the int arguments, as a tuple ...
+        self._ints: object = None  # ... and their values at the last launch that fitted
 
     def __call__(self, *args) -> None:
-        if self._run is not None and _signature(args) == self._sig and _no_hooks():
+        if self._run is not None and self._fits(args) and _no_hooks():
             run, function, packed = self._run
             _COUNTS["direct"] += 1
-            g = self.grid
+            g = self._grid3
             # No launch metadata and no hooks: the launcher then calls nothing back into Python.
-            run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, _current_stream(self._device),
-                function, packed, None, None, None, *args, *self._tail)  # fmt: skip
+            run(g[0], g[1], g[2], _current_stream(self._device), function, packed, None, None, None, *args,
+                *self._tail)  # fmt: skip
             return
         self._slow(args)
 
+    def _fits(self, args: tuple) -> bool:
+        """``args`` specialize as the recorded ones (``_signature``). Only the tensors are looked at when the
+        ints equal the last fitting launch's (every layer of a step passes the same ints): a full
+        ``_signature`` per launch was about half of a launch's Python time."""
+        for i, dtype, aligned in self._tensors:
+            t = args[i]
+            if t.dtype is not dtype or (t.data_ptr() % 16 == 0) is not aligned:
+                return False
+        ints = self._ints_at(args)
+        if ints == self._ints:
+            return True
+        if _signature(args) != self._sig:
+            return False
+        self._ints = ints
+        return True
+
+    def _take(self, recorded: tuple, args: tuple) -> None:
+        """Launch directly from now on with ``recorded`` (launcher, constexpr tail, signature, device)."""
+        self._run, self._tail, self._sig, self._device = recorded
+        tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        ints = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
+        self._tensors = tuple((i, args[i].dtype, args[i].data_ptr() % 16 == 0) for i in tensors)
+        self._ints_at = operator.itemgetter(*ints) if ints else _no_ints
+        self._ints = self._ints_at(args)
+
     def _slow(self, args: tuple) -> None:
+        if _QUEUE[0] is not None:
+            if _on_gpu(args):
+                _QUEUE[0].setdefault(self._key(args), (self, args))
+            return
         kernel = None
         if not self._tried and _ENABLED and _on_gpu(args) and _no_hooks():
             self._tried = True
             known = _RECORDED.get(self._key(args))
             if known is not None:  # recorded by an earlier step's launch of the same kernel and shape
-                self._run, self._tail, self._sig, self._device = known
+                self._take(known, args)
                 self(*args)
                 return
             try:  # compiles, launches nothing
@@ -142,14 +217,13 @@ class FastLaunch:
         function, packed = getattr(kernel, "function", None), getattr(kernel, "packed_metadata", None)
         if head[4] is not function or head[5] is not packed or not (_unset(head[7]) and _unset(head[8])):
             return
-        self._tail = tuple(rest[len(args) :])
-        self._sig = _signature(args)
         device = args[0].device
-        self._device = (
+        index = (
             device.index if device.index is not None or not args[0].is_cuda else torch.cuda.current_device()
         )
-        self._run = (run, function, packed)
-        _RECORDED[self._key(args)] = (self._run, self._tail, self._sig, self._device)
+        recorded = ((run, function, packed), tuple(rest[len(args) :]), _signature(args), index)
+        self._take(recorded, args)
+        _RECORDED[self._key(args)] = recorded
 
     def _key(self, args: tuple) -> tuple:
         """What identifies a compiled kernel and its launcher: function, compile-time values, options,

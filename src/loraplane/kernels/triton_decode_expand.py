@@ -105,25 +105,48 @@ def _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_
                 BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DOT_N: tl.constexpr,
                 RAGGED: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
     # The tile's tokens together: each block of B^T is read once for all of them. Columns [n0, n0 + BLOCK_N)
-    # in DOT_N-column pieces (small MMA operands and accumulator), unrolled so that their loads of B^T and
-    # y can be in flight at once; the first rank chunk's v is summed once for all pieces.
+    # in DOT_N-column pieces (small MMA operands and accumulator); the first rank chunk's v is summed once
+    # for all pieces.
     offs_r = tl.arange(0, BLOCK_R)
     m_mask = tl.arange(0, BLOCK_M) < count
-    r_mask0 = offs_r < rank
-    vs0 = _v_sum2(v_slice + toks[:, None] * stride_vt + offs_r[None, :], stride_vk, m_mask[:, None] & r_mask0[None, :],
-                  SPLIT)  # [BM, BR]  # fmt: skip
+    vs0 = _v_sum2(v_slice + toks[:, None] * stride_vt + offs_r[None, :], stride_vk,
+                  m_mask[:, None] & (offs_r < rank)[None, :], SPLIT)  # [BM, BR]  # fmt: skip
     vs0 = (vs0 * scale).to(bt_ptr.dtype.element_ty)  # the scale rides on v, as in _expand_tile
-    for p0 in tl.static_range(0, BLOCK_N, DOT_N):
-        nn = n0 + p0 + tl.arange(0, DOT_N)  # [DN]
-        n_ok = nn < c_end
-        y_ptrs = y_ptr + toks[:, None] * stride_yt + (nn + dy)[None, :]
-        if RAGGED:
-            y_mask = m_mask[:, None] & n_ok[None, :]
-        else:
-            y_mask = m_mask[:, None]
-        yt = tl.load(y_ptrs, mask=y_mask)
-        bt = _b_block(bt_ptr + phys0[:, None] * stride_br + nn[None, :], r_mask0, n_ok, RAGGED)  # [BR, DN]
-        acc = tl.dot(vs0, bt, out_dtype=tl.float32, input_precision=PRECISION)  # [BM, DN]
+    if rank <= BLOCK_R:
+        # One rank chunk: the pieces unrolled, so that their loads of B^T and y are in flight at once.
+        for p0 in tl.static_range(0, BLOCK_N, DOT_N):
+            _expand_piece(vs0, v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, toks, m_mask,
+                          phys0, pt, slot, rank, scale, n0 + p0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_R, DOT_N,
+                          RAGGED, PRECISION, False)  # fmt: skip
+    else:
+        # Each piece loops over the rank chunks, which orders its loads anyway; unrolling these pieces too
+        # multiplied the code (each chunk sums SPLIT v planes) and with it the compile time: over a minute
+        # for a 28-plane projection at 1024 columns, against seconds.
+        for p0 in range(0, BLOCK_N, DOT_N):
+            _expand_piece(vs0, v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, toks, m_mask,
+                          phys0, pt, slot, rank, scale, n0 + p0, c_end, dy, SPLIT, PAGE, MAX_PAGES, BLOCK_R, DOT_N,
+                          RAGGED, PRECISION, True)  # fmt: skip
+
+
+@triton.jit
+def _expand_piece(vs0, v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_yt, toks, m_mask, phys0, pt,
+                  slot, rank, scale, c0, c_end, dy, SPLIT: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
+                  BLOCK_R: tl.constexpr, DOT_N: tl.constexpr, RAGGED: tl.constexpr, PRECISION: tl.constexpr,
+                  HIGH: tl.constexpr):  # fmt: skip
+    # y[toks, c0 : c0 + DOT_N] += v @ B^T over the rank chunks; vs0: the first chunk's v, scaled. HIGH: the
+    # rank may be above BLOCK_R (else only the first chunk is compiled).
+    offs_r = tl.arange(0, BLOCK_R)
+    nn = c0 + tl.arange(0, DOT_N)  # [DN]
+    n_ok = nn < c_end
+    y_ptrs = y_ptr + toks[:, None] * stride_yt + (nn + dy)[None, :]
+    if RAGGED:
+        y_mask = m_mask[:, None] & n_ok[None, :]
+    else:
+        y_mask = m_mask[:, None]
+    yt = tl.load(y_ptrs, mask=y_mask)
+    bt = _b_block(bt_ptr + phys0[:, None] * stride_br + nn[None, :], offs_r < rank, n_ok, RAGGED)  # [BR, DN]
+    acc = tl.dot(vs0, bt, out_dtype=tl.float32, input_precision=PRECISION)  # [BM, DN]
+    if HIGH:
         for r0 in range(BLOCK_R, rank, BLOCK_R):  # ranks above BLOCK_R
             rr = r0 + offs_r
             r_mask = rr < rank
@@ -133,4 +156,4 @@ def _expand_dot(v_slice, stride_vk, stride_vt, bt_ptr, stride_br, y_ptr, stride_
             vs = (vs * scale).to(bt_ptr.dtype.element_ty)
             bt = _b_block(bt_ptr + phys[:, None] * stride_br + nn[None, :], r_mask, n_ok, RAGGED)  # [BR, DN]
             acc = tl.dot(vs, bt, acc=acc, input_precision=PRECISION)
-        tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)
+    tl.store(y_ptrs, (yt.to(tl.float32) + acc).to(yt.dtype), mask=y_mask)

@@ -10,14 +10,25 @@ The warm-up runs one forward per step kind, rank class, tile-count class and mod
 with the LoRA metadata of requests on free pool slots: the metadata builder sees the class's rank, while the
 device's rank table says 0 for a free slot, so the kernels compile and launch but read and write nothing.
 Each runs twice: GEMM first, then delta first (the storing expand of steps whose every row has an adapter).
+
+A Llama-3-8B engine compiles about 250 such kernels, a quarter to one second each. Compiling is CPU work
+that mostly runs outside the GIL, so the forwards first run once with the LoRA launches only listing their
+shapes (``fast_launch.compile_only``), those compile side by side on a pool of threads
+(``compile_queued``), and then the forwards run for real, finding every kernel compiled.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan
+from loraplane.kernels.fast_launch import compile_only, compile_queued
 from loraplane.kernels.launch_config import FEW_TILES, num_sms, prefill_split_bounds
+
+log = logging.getLogger(__name__)
 
 # pick_config's rank classes: its rank tile (block_r) is 16, 32 or 64 rows; larger ranks loop 64-row tiles.
 RANK_CLASSES = (16, 32, 64)
@@ -112,11 +123,21 @@ def _spans(n: int, max_len: int) -> tuple[torch.Tensor, list[PrefillSpan]]:
     return torch.arange(n) % max_len, spans
 
 
+def compile_threads() -> int:
+    """Threads that compile the warm-up's kernels: the CPUs this process may use, at most 16."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(16, cpus))
+
+
 @torch.inference_mode()
-def warm_lora_kernels(runner, kinds: tuple[str, ...]) -> int:
+def warm_lora_kernels(runner, kinds: tuple[str, ...], threads: int | None = None) -> int:
     """Run the warm-up forwards of ``kinds`` (the runner's adapter tiers' metadata builders); returns how many
     forwards ran. Steps hold at most ``max_num_seqs`` groups and the profiled step size (profile_forward's) in tokens;
-    only slots free in every pool are used, so nothing an adapter holds is touched."""
+    only slots free in every pool are used, so nothing an adapter holds is touched. ``threads``: compile the
+    kernels on that many threads first (default ``compile_threads()``; 1: each on its first launch)."""
     cfg, tiers, state, device = runner.config, runner.lora, runner.lora_state, runner.device
     tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * runner.max_model_len)
     free = [s for s in range(tiers.gpu.num_slots) if tiers.gpu.ranks[s] == 0][: cfg.max_num_seqs]
@@ -124,7 +145,17 @@ def warm_lora_kernels(runner, kinds: tuple[str, ...]) -> int:
     plan = warm_plan(cfg.max_lora_rank, {k: (min(m.capacity, tokens), m.tile_m) for k, m in builders.items()},
                      free, num_sms(device))  # fmt: skip
     sets = module_sets(state.pools, cfg.lora_graph_module_sets)
+    threads = compile_threads() if threads is None else threads
     try:
+        if device.type == "cuda" and threads > 1:  # every launch shape first, compiled side by side
+            with compile_only() as queued:
+                for kind, rank, reqs in plan:
+                    _warm_one(runner, builders[kind], rank, reqs, sets)
+            try:
+                compile_queued(queued, threads)
+            except Exception as exc:  # noqa: BLE001 - the forwards below compile what is missing, and raise its error
+                log.warning("compiling %d LoRA kernels on %d threads failed (%s: %s); compiling them in turn",
+                            len(queued), threads, type(exc).__name__, exc)  # fmt: skip
         for kind, rank, reqs in plan:
             _warm_one(runner, builders[kind], rank, reqs, sets)
     finally:

@@ -1,0 +1,196 @@
+"""Start-up compile cost of the LoRA kernels, measured without a GPU.
+
+An engine with adapters compiles one Triton kernel per distinct launch shape before it serves: the captured
+decode launches while its CUDA graphs are captured, the eager (prefill and mixed) launches in the start-up
+warm-up (``engine/model/lora_warmup.py``). On a machine with no Triton cache that is most of the start.
+
+This benchmark lists those launch shapes from the engine's own launch builders (``triton_apply.ApplyPlan``
+over the metadata that ``lora_warmup.warm_plan`` asks for, and the capture policy's decode metadata), for
+one layer of a model shape on the CPU, and compiles each one ahead of time for a GPU target (Triton's
+``compile`` with an explicit target needs no GPU; compiling is CPU work on the GPU machine too). It reports
+each shape's compile time and the total, sequential and over ``--threads`` threads.
+
+    python bench/run.py compile --out DIR [--target 90] [--threads N] [--only decode|eager] [--limit N]
+
+What it leaves out: the prefill split classes follow the CPU's stand-in SM count (4), not the GPU's, and
+adapters of a few modules only (q and v) launch the packed projections with fewer slices; so the eager count
+is indicative, the captured decode count exact for all-module adapters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be JIT functions, not the interpreter's
+
+import torch  # noqa: E402
+from shapes import LLAMA3_8B  # noqa: E402
+
+from loraplane.engine.model.lora_warmup import warm_plan  # noqa: E402
+from loraplane.kernels.launch_config import capture_policy, set_capture_policy  # noqa: E402
+from loraplane.kernels.metadata import LoRABatchMeta  # noqa: E402
+from loraplane.kernels.pool import LoRAPool, ModuleSpec  # noqa: E402
+from loraplane.kernels.triton_apply import ApplyPlan  # noqa: E402
+from loraplane.kernels.triton_ops import expand_args, pick_config, shrink_args  # noqa: E402
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
+           torch.int64: "i64"}  # fmt: skip
+
+
+def module_specs(cfg: dict) -> dict[str, ModuleSpec]:
+    """The engine's packed projections of a Llama-shaped config."""
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
+    return {"qkv_proj": ModuleSpec(h, (h, kv, kv)), "o_proj": ModuleSpec(h, (h,)),
+            "gate_up_proj": ModuleSpec(h, (inter, inter)), "down_proj": ModuleSpec(inter, (h,))}  # fmt: skip
+
+
+def signature(fn, args: tuple, constexprs: dict) -> tuple[dict, dict]:
+    """Triton's signature and divisibility attributes for ``args`` (the kernel's run-time parameters in
+    order), as its JIT would specialize them: pointers and ints that are multiples of 16 marked so."""
+    names = [n for n in fn.arg_names if n not in constexprs]
+    sig, attrs = {}, {}
+    for name, a in zip(names, args, strict=True):
+        if isinstance(a, torch.Tensor):
+            sig[name] = "*" + _DTYPES[a.dtype]
+            aligned = a.data_ptr() % 16 == 0
+        else:
+            sig[name] = "i32" if -(1 << 31) <= a < (1 << 31) else "i64"
+            aligned = a % 16 == 0 and a != 0
+        if aligned:
+            attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
+    for name in constexprs:
+        sig[name] = "constexpr"
+    return sig, attrs
+
+
+def plan_launches(plan: ApplyPlan, y, x, a, bt, pool: LoRAPool, meta: LoRABatchMeta):
+    """(FastLaunch, run-time args) of a plan's shrink and expand."""
+    out = []
+    if plan.shrink is not None:
+        out.append((plan.shrink, shrink_args(x, a, plan.v, pool.page_table, pool.ranks, meta)))
+    if plan.expand is not None and plan.one is None:
+        out.append(
+            (plan.expand, expand_args(y, plan.v, bt, pool.page_table, pool.ranks, pool.scales, meta, x, a))
+        )
+    return out
+
+
+def census(specs: dict[str, ModuleSpec], only: str, max_rank: int = 64, seqs: int = 256,
+           tokens: int = 8192) -> dict:  # fmt: skip
+    """{key: (label, fn, constexprs, options, args)} of every distinct launch shape."""
+    budget = LoRAPool.page_bytes_for(specs, 1, 16, torch.bfloat16) * 8  # pages: none is read
+    pool = LoRAPool(specs, 1, budget, page_rank=16, max_rank=max_rank, max_adapters=seqs)
+    found: dict = {}
+
+    def add(kind: str, meta: LoRABatchMeta, store: bool = False) -> None:
+        for name, spec in specs.items():
+            a, bt = pool.a[(0, name)], pool.bt[(0, name)]
+            x = torch.zeros(meta.capacity, spec.in_dim, dtype=torch.bfloat16)
+            y = torch.zeros(meta.capacity, spec.y_width, dtype=torch.bfloat16)
+            cfg = pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
+            if store and not (cfg.decode or cfg.one_launch):
+                cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "store": True})
+            tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
+            plan = ApplyPlan(y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg)
+            for launch, args in plan_launches(plan, y, x, a, bt, pool, meta):
+                sig, attrs = signature(launch.fn, args, launch.constexprs)
+                key = (launch.fn, tuple(sorted(launch.constexprs.items())), tuple(sorted(launch.options.items())),
+                       tuple(sig.items()), tuple(sorted(attrs)))  # fmt: skip
+                found.setdefault(key, (f"{kind} {name} {launch.fn.__name__}", launch.fn, launch.constexprs,
+                                       launch.options, sig, attrs))  # fmt: skip
+
+    if only in ("all", "decode"):
+        meta = LoRABatchMeta(seqs, "cpu", tile_m=16, capture=True, max_rank=max_rank)
+        meta.build([], [0] * seqs)
+        add("captured", meta)
+    if only in ("all", "eager"):
+        kinds = {"decode": (seqs, 16), "prefill": (tokens, 64)}
+        for kind, rank, reqs in warm_plan(max_rank, kinds, list(range(seqs)), sms=0):
+            ranks = [0] * seqs
+            for slot, _ in reqs:
+                ranks[slot] = rank
+            capacity, tile_m = kinds[kind]
+            meta = LoRABatchMeta(capacity, "cpu", tile_m=tile_m, max_rank=max_rank).build(reqs, ranks)
+            for store in (False, True):
+                add(f"eager {kind} r{rank} t{meta.host_num_tiles}", meta, store)
+    return found
+
+
+def compile_one(entry: tuple, arch: int) -> tuple[float, int]:
+    """Seconds to compile one launch shape for ``arch`` (no cache: a fresh TRITON_CACHE_DIR), and its
+    cubin's bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    _, fn, constexprs, options, sig, attrs = entry
+    opts = {k: v for k, v in options.items() if k in ("num_warps", "num_stages", "launch_pdl")}
+    t0 = time.perf_counter()
+    kernel = triton.compile(
+        ASTSource(fn, sig, constexprs, attrs), target=GPUTarget("cuda", arch, 32), options=opts
+    )
+    return time.perf_counter() - t0, len(kernel.asm.get("cubin", b""))
+
+
+def run(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", type=int, default=90, help="compute capability, as 90 for sm_90 (Hopper)")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--only", choices=("all", "decode", "eager"), default="all")
+    ap.add_argument("--limit", type=int, default=0, help="compile at most this many shapes (0: all)")
+    ap.add_argument("--policy", default="", help="capture policy fields as k=v,k=v (e.g. decode_n=256)")
+    args = ap.parse_args(argv)
+    if args.policy:
+        fields = dict(kv.split("=") for kv in args.policy.split(","))
+        set_capture_policy(type(capture_policy())(**{k: int(v) if v.isdigit() else v == "True"
+                                                     for k, v in fields.items()}))  # fmt: skip
+    import tempfile
+
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="lp-compile-")  # every shape compiles afresh
+    entries = list(census(module_specs(LLAMA3_8B), args.only).values())
+    listed = len(entries)
+    if args.limit:
+        entries = entries[: args.limit]
+    t0 = time.perf_counter()
+    results = [compile_one(e, args.target) for e in entries]  # sequential: each shape's own time
+    seq = time.perf_counter() - t0
+    os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="lp-compile-")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.threads) as pool:
+        list(pool.map(lambda e: compile_one(e, args.target), entries))
+    par = time.perf_counter() - t0
+    rows = sorted(({"shape": e[0], "constexprs": _short(e[2]), "compile_s": round(s, 2), "cubin_kb": b // 1000}
+                   for e, (s, b) in zip(entries, results, strict=True)), key=lambda r: -r["compile_s"])  # fmt: skip
+    return {
+        "title": f"LoRA kernel compile cost, Llama-3-8B shapes, sm_{args.target}, on this CPU",
+        "columns": ["shape", "compile_s", "cubin_kb", "constexprs"],
+        "rows": rows,
+        "meta": {
+            "listed": listed,
+            "compiled": len(entries),
+            "sequential_s": round(seq, 1),
+            f"threads_{args.threads}_s": round(par, 1),
+            "cpus": os.cpu_count(),
+            "only": args.only,
+            "policy": args.policy or "default",
+        },  # fmt: skip
+        "notes": [
+            "compile_s: one shape alone, sequentially, with no Triton cache",
+            "a shape is (kernel, compile-time values, options, argument specialization)",
+        ],  # fmt: skip
+    }
+
+
+def _short(constexprs: dict) -> str:
+    keep = ("SPLIT", "BLOCK_M", "BLOCK_R", "BLOCK_K", "BLOCK_N", "N_CHUNK", "DOT", "STORE", "NUM_SLICES")
+    return " ".join(f"{k}={v}" for k, v in constexprs.items() if k in keep)
