@@ -54,23 +54,29 @@ def module_specs(cfg: dict) -> dict[str, ModuleSpec]:
             "gate_up_proj": ModuleSpec(h, (inter, inter)), "down_proj": ModuleSpec(inter, (h,))}  # fmt: skip
 
 
-def signature(fn, args: tuple, constexprs: dict) -> tuple[dict, dict]:
-    """Triton's signature and divisibility attributes for ``args`` (the kernel's run-time parameters in
-    order), as its JIT would specialize them: pointers and ints that are multiples of 16 marked so."""
+def signature(fn, args: tuple, constexprs: dict) -> tuple[dict, dict, dict]:
+    """Triton's signature, divisibility attributes and added compile-time values for ``args`` (the
+    kernel's run-time parameters in order), as its JIT specializes them: pointers 16-byte aligned and ints
+    that are multiples of 16 (0 too) marked divisible, ints equal to 1 made constants; parameters it is told
+    not to specialize left alone."""
     names = [n for n in fn.arg_names if n not in constexprs]
-    sig, attrs = {}, {}
+    plain = {p.name for p in getattr(fn, "params", ()) if getattr(p, "do_not_specialize", False)}
+    sig, attrs, ones = {}, {}, {}
     for name, a in zip(names, args, strict=True):
         if isinstance(a, torch.Tensor):
             sig[name] = "*" + _DTYPES[a.dtype]
             aligned = a.data_ptr() % 16 == 0
+        elif name not in plain and a == 1:
+            sig[name], ones[name] = "constexpr", 1
+            continue
         else:
             sig[name] = "i32" if -(1 << 31) <= a < (1 << 31) else "i64"
-            aligned = a % 16 == 0 and a != 0
+            aligned = name not in plain and a % 16 == 0
         if aligned:
             attrs[(fn.arg_names.index(name),)] = [["tt.divisibility", 16]]
     for name in constexprs:
         sig[name] = "constexpr"
-    return sig, attrs
+    return sig, attrs, ones
 
 
 def plan_launches(plan: ApplyPlan, y, x, a, bt, pool: LoRAPool, meta: LoRABatchMeta):
@@ -103,10 +109,11 @@ def census(specs: dict[str, ModuleSpec], only: str, max_rank: int = 64, seqs: in
             tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
             plan = ApplyPlan(y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg)
             for launch, args in plan_launches(plan, y, x, a, bt, pool, meta):
-                sig, attrs = signature(launch.fn, args, launch.constexprs)
-                key = (launch.fn, tuple(sorted(launch.constexprs.items())), tuple(sorted(launch.options.items())),
+                sig, attrs, ones = signature(launch.fn, args, launch.constexprs)
+                constexprs = {**launch.constexprs, **ones}
+                key = (launch.fn, tuple(sorted(constexprs.items())), tuple(sorted(launch.options.items())),
                        tuple(sig.items()), tuple(sorted(attrs)))  # fmt: skip
-                found.setdefault(key, (f"{kind} {name} {launch.fn.__name__}", launch.fn, launch.constexprs,
+                found.setdefault(key, (f"{kind} {name} {launch.fn.__name__}", launch.fn, constexprs,
                                        launch.options, sig, attrs))  # fmt: skip
 
     if only in ("all", "decode"):

@@ -255,6 +255,17 @@ def test_compile_only_lists_each_shape_once_and_launches_nothing(monkeypatch):
         fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 32, "MODE": "x"}, num_warps=4)(x, 64, x)
         fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 16, "MODE": "x"}, num_warps=4)(x, 65, x)  # not % 16
     assert len(queued) == 3 and fn.bindings == 0 and fn.kernel.calls == []
+    for _, args in queued.values():  # small stand-ins, not the step's tensors
+        assert (
+            args[0] is not x
+            and args[0].dtype == x.dtype
+            and args[0].data_ptr() % 16 == 0
+            and args[1] in (64, 65)
+        )
+    with fast_launch.compile_only() as off:
+        fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 8}, num_warps=4)(torch.zeros(9)[1:], 64, x)
+    ((_, args),) = off.values()
+    assert args[0].dtype == torch.float32 and args[0].data_ptr() % 16 != 0  # misaligned as the real one
     assert fast_launch.compile_queued(queued, threads=2) == 3
     assert fn.bindings == 3 and fn.kernel.calls == []
     launch = fast_launch.FastLaunch(fn, (3, 2), {"BLOCK": 16, "MODE": "y"}, num_warps=4)

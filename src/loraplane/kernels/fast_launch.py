@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import operator
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -30,8 +31,8 @@ first launch, a new specialization, or the fast path off). Benchmarks report bot
 whose launches all go through Triton spends a multiple of its host time on it."""
 
 
-_QUEUE: list[dict | None] = [None]
-"""While ``compile_only`` is active: the launch shapes seen, by ``FastLaunch._key``."""
+_LOCAL = threading.local()
+"""``queue``: while ``compile_only`` is active in this thread, the launch shapes seen, by ``FastLaunch._key``."""
 
 
 def launch_counts() -> dict[str, int]:
@@ -41,13 +42,28 @@ def launch_counts() -> dict[str, int]:
 
 @contextlib.contextmanager
 def compile_only():
-    """Within: a GPU launch that is not recorded yet launches nothing; its shape (kernel, grid, compile-time
-    values, options and arguments) goes in the yielded dict, once per shape, for ``compile_queued``."""
-    _QUEUE[0] = queued = {}
+    """Within (this thread): a GPU launch that is not recorded yet launches nothing; its shape (kernel,
+    grid, compile-time values, options, and its arguments with each tensor replaced by a small one of the
+    same dtype, device and alignment, all Triton specializes on) goes in the yielded dict, once per shape,
+    for ``compile_queued``. The step's own tensors are not kept."""
+    _LOCAL.queue = queued = {}
     try:
         yield queued
     finally:
-        _QUEUE[0] = None
+        _LOCAL.queue = None
+
+
+_STAND_INS: dict[tuple, torch.Tensor] = {}
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s dtype and device, 16-byte aligned where ``t`` is (else one element off)."""
+    aligned = t.data_ptr() % 16 == 0
+    key = (t.dtype, t.device, aligned)
+    if key not in _STAND_INS:
+        buf = torch.empty(32, dtype=t.dtype, device=t.device)  # fresh allocations are 256-byte aligned
+        _STAND_INS[key] = buf if aligned or t.element_size() % 16 == 0 else buf[1:]
+    return _STAND_INS[key]
 
 
 def compile_queued(queued: dict, threads: int) -> int:
@@ -62,10 +78,18 @@ def compile_queued(queued: dict, threads: int) -> int:
         for launch, args in queued.values():
             launch.fn.warmup(*args, grid=launch.grid, **launch.constexprs, **launch.options)
         return len(queued)
-    # Only warmup calls run under the mode: a launch inside it would meet a kernel still compiling.
-    with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, AsyncCompileMode(pool):
-        for launch, args in queued.values():
-            launch.fn.warmup(*args, grid=launch.grid, **launch.constexprs, **launch.options)
+    from triton.runtime import _async_compile
+
+    # Only warmup calls run under the mode: a launch inside it would meet a kernel still compiling. A shape
+    # that fails to compile is left for its first launch, which compiles it again and raises its error;
+    # the mode is switched off whatever happens (its exit does not, when a result raises).
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
+            with AsyncCompileMode(pool, ignore_errors=True):
+                for launch, args in queued.values():
+                    launch.fn.warmup(*args, grid=launch.grid, **launch.constexprs, **launch.options)
+    finally:
+        _async_compile.active_mode.set(None)
     return len(queued)
 
 
@@ -98,6 +122,11 @@ def _no_ints(args: tuple) -> tuple:
     return ()
 
 
+def _no_ints_known(args: tuple) -> tuple:
+    """For arguments that are not all tensors and plain ints: the full ``_signature`` every time."""
+    return ()
+
+
 def _signature(args: tuple) -> tuple:
     """What Triton specializes a launch on, for the run-time arguments: tensors by dtype and 16-byte
     alignment of their data pointer; ints by divisibility by 16, equality to 1 and 32-bit range."""
@@ -117,7 +146,7 @@ class FastLaunch:
     """
 
     __slots__ = ("fn", "grid", "constexprs", "options", "_run", "_tail", "_sig", "_device", "_tried", "_grid3",
-                 "_tensors", "_ints_at", "_ints")  # fmt: skip
+                 "_tensors", "_ints_at", "_ints", "_arity")  # fmt: skip
 
     def __init__(self, fn, grid: tuple[int, ...], constexprs: dict, **options) -> None:
         self.fn, self.grid, self.constexprs, self.options = fn, grid, constexprs, options
@@ -130,6 +159,7 @@ class FastLaunch:
         self._tensors: tuple = ()  # (position, dtype, 16-byte aligned) of each tensor argument, once recorded
         self._ints_at = _no_ints  # the int arguments, as a tuple ...
         self._ints: object = None  # ... and their values at the last launch that fitted
+        self._arity = -1
 
     def __call__(self, *args) -> None:
         if self._run is not None and self._fits(args) and _no_hooks():
@@ -146,12 +176,18 @@ class FastLaunch:
         """``args`` specialize as the recorded ones (``_signature``). Only the tensors are looked at when the
         ints equal the last fitting launch's (every layer of a step passes the same ints): a full
         ``_signature`` per launch was about half of a launch's Python time."""
+        if len(args) != self._arity:
+            return False
         for i, dtype, aligned in self._tensors:
             t = args[i]
-            if t.dtype is not dtype or (t.data_ptr() % 16 == 0) is not aligned:
+            if (
+                not isinstance(t, torch.Tensor)
+                or t.dtype is not dtype
+                or (t.data_ptr() % 16 == 0) is not aligned
+            ):
                 return False
         ints = self._ints_at(args)
-        if ints == self._ints:
+        if ints == self._ints and self._ints_at is not _no_ints_known:
             return True
         if _signature(args) != self._sig:
             return False
@@ -163,14 +199,18 @@ class FastLaunch:
         self._run, self._tail, self._sig, self._device = recorded
         tensors = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         ints = [i for i, a in enumerate(args) if not isinstance(a, torch.Tensor)]
+        self._arity = len(args)
         self._tensors = tuple((i, args[i].dtype, args[i].data_ptr() % 16 == 0) for i in tensors)
         self._ints_at = operator.itemgetter(*ints) if ints else _no_ints
+        if any(type(args[i]) is not int for i in ints):  # True == 1, yet Triton types them apart
+            self._ints_at = _no_ints_known
         self._ints = self._ints_at(args)
 
     def _slow(self, args: tuple) -> None:
-        if _QUEUE[0] is not None:
-            if _on_gpu(args):
-                _QUEUE[0].setdefault(self._key(args), (self, args))
+        queue = getattr(_LOCAL, "queue", None)
+        if queue is not None:
+            if _on_gpu(args) and (key := self._key(args)) not in queue:
+                queue[key] = (self, tuple(_stand_in(a) if isinstance(a, torch.Tensor) else a for a in args))
             return
         kernel = None
         if not self._tried and _ENABLED and _on_gpu(args) and _no_hooks():

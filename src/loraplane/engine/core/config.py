@@ -78,7 +78,7 @@ class EngineConfig:
     memory_mode: str = "split"
     # Compile the LoRA kernels of every rank class and step size at start (engine/model/lora_warmup.py), so
     # that the first steps with a new rank or prompt size do not stall every tenant while Triton compiles.
-    # About 250 kernels for a Llama-3-8B shape, compiled on up to 16 threads; with no Triton cache (a new node:
+    # About 150 kernels for a Llama-3-8B shape, compiled on up to 16 threads; with no Triton cache (a new node:
     # the operator keeps it on the host-cache volume) that is minutes of CPU. CUDA devices only; tensor
     # parallel: off.
     lora_kernel_warmup: bool = True

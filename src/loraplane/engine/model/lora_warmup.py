@@ -11,7 +11,7 @@ with the LoRA metadata of requests on free pool slots: the metadata builder sees
 device's rank table says 0 for a free slot, so the kernels compile and launch but read and write nothing.
 Each runs twice: GEMM first, then delta first (the storing expand of steps whose every row has an adapter).
 
-A Llama-3-8B engine compiles about 250 such kernels, a quarter to one second each. Compiling is CPU work
+A Llama-3-8B engine compiles about 150 such kernels, a fifth of a second to two seconds each. Compiling is CPU work
 that mostly runs outside the GIL, so the forwards first run once with the LoRA launches only listing their
 shapes (``fast_launch.compile_only``), those compile side by side on a pool of threads
 (``compile_queued``), and then the forwards run for real, finding every kernel compiled.
@@ -153,6 +153,7 @@ def warm_lora_kernels(runner, kinds: tuple[str, ...], threads: int | None = None
                     _warm_one(runner, builders[kind], rank, reqs, sets)
             try:
                 compile_queued(queued, threads)
+                queued.clear()
             except Exception as exc:  # noqa: BLE001 - the forwards below compile what is missing, and raise its error
                 log.warning("compiling %d LoRA kernels on %d threads failed (%s: %s); compiling them in turn",
                             len(queued), threads, type(exc).__name__, exc)  # fmt: skip
