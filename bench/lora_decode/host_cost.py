@@ -6,9 +6,10 @@ step), the launch configs (``pick_config``, per call in probe.Step) and the per-
 launches themselves (a direct launch adds the C launcher's few microseconds each; one through Triton's
 binding, tens). Compare with the churn bench's per-sample ``launches`` counts.
 
-Then the launches' own Python: the same step's launches, each through ``FastLaunch.__call__``'s direct path
-with its launcher replaced by a function that does nothing (what a launch costs the CPU before the C
-launcher's few microseconds).
+Then the same step through the engine's entry points (``lora_apply_many`` for the packed projections,
+``lora_apply`` for the others), launches left out; and the launches' own Python: the same step's
+launches, each through ``FastLaunch.__call__``'s direct path with its launcher replaced by a function that
+does nothing (what a launch costs the CPU before the C launcher's few microseconds).
 
     PYTHONPATH=src python bench/lora_decode/host_cost.py
 """
@@ -22,7 +23,7 @@ from types import SimpleNamespace
 import torch
 from probe import OPS, SHAPES, Step, ranks_of
 
-from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, fast_launch
+from loraplane.kernels import LoRABatchMeta, LoRAPool, ModuleSpec, fast_launch, lora_apply, lora_apply_many
 
 CASES = {"prefill T=256, 1 adapter": (256, [(0, 256)]), "64 tokens, 1 adapter": (64, [(0, 1)] * 64)}
 
@@ -65,6 +66,33 @@ def direct_path_ms(calls: list[tuple]) -> float:
     return statistics.median(times)
 
 
+def entry_points_ms(pools, meta, tokens: int) -> float:
+    """Median ms over 7 runs of one eager step through the engine's entry points, launches left out: per
+    layer ``lora_apply_many`` for q,k,v and gate,up (one launch pair each) and ``lora_apply`` for o and down,
+    as ``LoRALinear`` calls them."""
+    xs = {op: torch.zeros(tokens, SHAPES[OPS[op][0]][0], dtype=torch.bfloat16) for op in OPS}
+    ys = {op: torch.zeros(tokens, sum(SHAPES[m][1] for m in OPS[op]), dtype=torch.bfloat16) for op in OPS}
+    calls = []
+    for op, mods in OPS.items():
+        if len(mods) > 1:
+            starts = [sum(SHAPES[m][1] for m in mods[:i]) for i in range(len(mods))]
+            targets = [(pools[m], m, c) for m, c in zip(mods, starts, strict=True)]
+            calls.append(lambda layer, op=op, t=targets: lora_apply_many(ys[op], xs[op], t, layer, meta,
+                                                                        backend="triton"))  # fmt: skip
+        else:
+            calls.append(lambda layer, op=op, m=mods[0]: lora_apply(ys[op], xs[op], pools[m], layer, m, meta,
+                                                                    backend="triton"))  # fmt: skip
+    times = []
+    for _ in range(8):
+        meta.plans = {}  # a new step: the first layer builds the plans
+        start = time.perf_counter()
+        for layer in range(32):
+            for call in calls:
+                call(layer)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
 def main() -> None:
     launches = [0]
     calls: list[tuple] = []
@@ -99,6 +127,9 @@ def main() -> None:
             f"  its {len(calls)} launches through the direct path: {direct_path_ms(calls):.2f} ms (median of 7)"
         )
         fast_launch.FastLaunch.__call__ = counted
+        print(
+            f"  the same step through lora_apply_many / lora_apply: {entry_points_ms(pools, meta, tokens):.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -154,3 +154,30 @@ def test_eager_metadata_keeps_one_shrink_buffer_whatever_the_step_sizes():
     a = captured.scratch_f32((2, 3, 64, 64), torch.device("cpu"))
     b = captured.scratch_f32((2, 3, 64, 64), torch.device("cpu"))
     assert a.data_ptr() == b.data_ptr() and len(captured.scratch) == 1
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU Triton needs TRITON_INTERPRET=1")
+def test_later_layers_skip_the_checks_only_for_the_same_arguments():
+    """After a step's first layer, a call that reuses its plan checks only the layer; any other argument
+    (another dtype, a wider y, a layer out of range) is checked in full and refused as on a first call;
+    a storing call still zeroes the columns of rows without an adapter at every layer."""
+    pools, ranks = _pools("cpu")
+    meta = LoRABatchMeta(8, "cpu").build([(0, 3), (-1, 2), (1, 1)], ranks)
+    targets, width = _targets(pools, ("q", "k", "v"))
+    x, y = torch.randn(6, IN), torch.randn(6, width)
+    lora_apply_many(y.clone(), x, targets, 0, meta, backend="triton")
+    plans = len(meta.plans)
+    with pytest.raises(ValueError, match="layer must be in"):
+        lora_apply_many(y.clone(), x, targets, 2, meta, backend="triton")
+    with pytest.raises(ValueError, match="dtype"):
+        lora_apply_many(y.clone(), x.double(), targets, 1, meta, backend="triton")
+    with pytest.raises(ValueError, match="fit"):
+        lora_apply_many(y[:, :20].clone(), x, targets, 1, meta, backend="triton")
+    got = lora_apply_many(y.clone(), x, targets, 1, meta, backend="triton")
+    assert_close_sums(got, _reference(y, x, targets, 1, meta), TERMS)
+    assert len(meta.plans) == plans  # the same plan served layer 1
+    for layer in range(2):  # storing: the base-only rows' columns hold zeros, not y's old values
+        got = lora_apply_many(torch.full_like(y, float("nan")), x, targets, layer, meta, backend="triton",
+                              store=True)  # fmt: skip
+        want = _reference(torch.zeros_like(y), x, targets, layer, meta)
+        assert_close_sums(got, want, TERMS)
