@@ -172,3 +172,35 @@ def test_gpu_no_compile_in_steps_after_warmup(make_hf_model, tmp_path):
         )
     torch.cuda.synchronize()
     assert triton_compiled() == compiled
+
+
+def test_compile_ahead_lists_then_compiles_and_logs_a_failure(monkeypatch, caplog):
+    """``compile_ahead``: the forwards run once with launches only listed, each listed shape compiles once
+    (Triton's ``warmup``), nothing launches; one thread: nothing ahead, the forwards do not run; a compile
+    that fails is logged, not raised, and Triton's asynchronous mode is left off."""
+    from triton.runtime import _async_compile
+
+    from loraplane.engine.model.lora_warmup import compile_ahead
+    from tests.kernels.test_plans import _FakeJit, _fast
+
+    fn = _FakeJit()
+    launch = _fast(monkeypatch, fn)
+    x = torch.zeros(16)
+    runs = []
+
+    def forwards():
+        runs.append(1)
+        launch(x, 64, x)
+        launch(x, 64, x)
+
+    assert compile_ahead(forwards, threads=1) == 0 and runs == []
+    assert compile_ahead(forwards, threads=2) == 1
+    assert runs == [1] and fn.bindings == 1 and fn.kernel.calls == []
+
+    def broken(*args, grid, **kw):
+        raise RuntimeError("ptxas fatal")
+
+    monkeypatch.setattr(fn, "warmup", broken)
+    assert compile_ahead(forwards, threads=2) == 0
+    assert "ptxas fatal" in caplog.text
+    assert _async_compile.active_mode.get() is None

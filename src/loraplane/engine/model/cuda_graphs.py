@@ -21,6 +21,7 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from loraplane.engine.model.attention import AttentionMetadata
+from loraplane.engine.model.lora_warmup import compile_ahead
 from loraplane.engine.model.model import CausalLM
 
 
@@ -112,12 +113,15 @@ def lora_module_family(used: Collection[str], families: Collection[frozenset[str
 
 
 def capture_lora_families(model: CausalLM, sizes: tuple[int, ...], max_blocks_per_seq: int,
-                          device: torch.device, state, graph_metas: Callable, module_sets) -> tuple:  # fmt: skip
+                          device: torch.device, state, graph_metas: Callable, module_sets,
+                          compile_first: bool = True) -> tuple:  # fmt: skip
     """The LoRA decode graphs: (the all-module family, {module set: its family}), all in one memory pool.
 
     ``state``: the LoRAStepState the wrapped layers read while they are captured; ``graph_metas(modules)``:
     the fixed metadata per module (None: no launch) for a module set, or for every module given None;
-    ``module_sets``: EngineConfig.lora_graph_module_sets (sets equal to all modules are skipped)."""
+    ``module_sets``: EngineConfig.lora_graph_module_sets (sets equal to all modules are skipped);
+    ``compile_first``: compile every family's LoRA launches side by side before capturing
+    (``lora_warmup.compile_ahead``; not under tensor parallel, whose workers capture in step)."""
 
     def family(modules: frozenset[str] | None, pool) -> DecodeGraphs:
         state.metas = graph_metas(modules)
@@ -127,6 +131,30 @@ def capture_lora_families(model: CausalLM, sizes: tuple[int, ...], max_blocks_pe
             state.metas = dict.fromkeys(state.pools)
 
     every = frozenset(state.pools)
-    sets = {frozenset(s) & every for s in module_sets} - {every, frozenset()}
+    sets = sorted(
+        {frozenset(s) & every for s in module_sets} - {every, frozenset()}, key=lambda s: (len(s), sorted(s))
+    )
+    if compile_first:
+        compile_ahead(lambda: _decode_forwards(model, max(sizes), max_blocks_per_seq, device, state, graph_metas,
+                                               [None, *sets]))  # fmt: skip
     full = family(None, None)
-    return full, {s: family(s, full.pool) for s in sorted(sets, key=lambda s: (len(s), sorted(s)))}
+    return full, {s: family(s, full.pool) for s in sets}
+
+
+@torch.inference_mode()
+def _decode_forwards(model: CausalLM, bs: int, max_blocks_per_seq: int, device: torch.device, state,
+                     graph_metas: Callable, families: list) -> None:  # fmt: skip
+    """One decode forward of ``bs`` padding rows (no KV written) over each family's fixed metadata: the
+    launches a capture of that family makes."""
+    ids = torch.zeros(bs, dtype=torch.int64, device=device)  # [bs]: input ids and positions
+    attn = AttentionMetadata(
+        slot_mapping=torch.full((bs,), -1, dtype=torch.int64, device=device),
+        block_tables=torch.zeros(bs, max_blocks_per_seq, dtype=torch.int32, device=device),
+        seq_lens=torch.zeros(bs, dtype=torch.int32, device=device),
+    )
+    for modules in families:
+        state.metas = graph_metas(modules)
+        try:
+            model(ids, ids, attn)
+        finally:
+            state.metas = dict.fromkeys(state.pools)

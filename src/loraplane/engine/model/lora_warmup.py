@@ -132,6 +132,25 @@ def compile_threads() -> int:
     return max(1, min(16, cpus))
 
 
+def compile_ahead(forwards, threads: int | None = None) -> int:
+    """Run ``forwards`` (CUDA work whose LoRA launches are the ones to compile) with those launches only
+    listing their shapes, then compile the shapes side by side on ``threads`` threads (default
+    ``compile_threads()``), so that the forwards run for real afterwards find every kernel compiled. Returns
+    how many shapes compiled; 0 with one thread. A failure is logged, not raised: the launches then compile
+    on their first use, and one that cannot compile raises its error there."""
+    threads = compile_threads() if threads is None else threads
+    if threads <= 1:
+        return 0
+    with compile_only() as queued:
+        forwards()
+    try:
+        return compile_queued(queued, threads)
+    except Exception as exc:  # noqa: BLE001 - see above
+        log.warning("compiling %d LoRA kernels on %d threads failed (%s: %s); they compile on first use",
+                    len(queued), threads, type(exc).__name__, exc)  # fmt: skip
+        return 0
+
+
 @torch.inference_mode()
 def warm_lora_kernels(runner, kinds: tuple[str, ...], threads: int | None = None) -> int:
     """Run the warm-up forwards of ``kinds`` (the runner's adapter tiers' metadata builders); returns how many
@@ -145,20 +164,15 @@ def warm_lora_kernels(runner, kinds: tuple[str, ...], threads: int | None = None
     plan = warm_plan(cfg.max_lora_rank, {k: (min(m.capacity, tokens), m.tile_m) for k, m in builders.items()},
                      free, num_sms(device))  # fmt: skip
     sets = module_sets(state.pools, cfg.lora_graph_module_sets)
-    threads = compile_threads() if threads is None else threads
-    try:
-        if device.type == "cuda" and threads > 1:  # every launch shape first, compiled side by side
-            with compile_only() as queued:
-                for kind, rank, reqs in plan:
-                    _warm_one(runner, builders[kind], rank, reqs, sets)
-            try:
-                compile_queued(queued, threads)
-                queued.clear()
-            except Exception as exc:  # noqa: BLE001 - the forwards below compile what is missing, and raise its error
-                log.warning("compiling %d LoRA kernels on %d threads failed (%s: %s); compiling them in turn",
-                            len(queued), threads, type(exc).__name__, exc)  # fmt: skip
+
+    def forwards() -> None:
         for kind, rank, reqs in plan:
             _warm_one(runner, builders[kind], rank, reqs, sets)
+
+    try:
+        if device.type == "cuda":  # every launch shape first, compiled side by side
+            compile_ahead(forwards, threads)
+        forwards()
     finally:
         state.metas = dict.fromkeys(state.pools)
         state.force_store = False

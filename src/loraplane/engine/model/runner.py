@@ -202,6 +202,7 @@ class ModelRunner:
             self.lora_state,
             self.lora.graph_metas,
             sets,
+            compile_first=self.tp is None,
         )
 
     def _lora_graphs(self) -> DecodeGraphs:
