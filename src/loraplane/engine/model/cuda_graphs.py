@@ -135,26 +135,30 @@ def capture_lora_families(model: CausalLM, sizes: tuple[int, ...], max_blocks_pe
         {frozenset(s) & every for s in module_sets} - {every, frozenset()}, key=lambda s: (len(s), sorted(s))
     )
     if compile_first:
-        compile_ahead(lambda: _decode_forwards(model, max(sizes), max_blocks_per_seq, device, state, graph_metas,
+        compile_ahead(lambda: _decode_forwards(model, sizes, max_blocks_per_seq, device, state, graph_metas,
                                                [None, *sets]))  # fmt: skip
     full = family(None, None)
     return full, {s: family(s, full.pool) for s in sets}
 
 
 @torch.inference_mode()
-def _decode_forwards(model: CausalLM, bs: int, max_blocks_per_seq: int, device: torch.device, state,
+def _decode_forwards(model: CausalLM, sizes: tuple[int, ...], max_blocks_per_seq: int, device: torch.device, state,
                      graph_metas: Callable, families: list) -> None:  # fmt: skip
-    """One decode forward of ``bs`` padding rows (no KV written) over each family's fixed metadata: the
-    launches a capture of that family makes."""
-    ids = torch.zeros(bs, dtype=torch.int64, device=device)  # [bs]: input ids and positions
-    attn = AttentionMetadata(
-        slot_mapping=torch.full((bs,), -1, dtype=torch.int64, device=device),
-        block_tables=torch.zeros(bs, max_blocks_per_seq, dtype=torch.int32, device=device),
-        seq_lens=torch.zeros(bs, dtype=torch.int32, device=device),
-    )
+    """The decode forwards a capture of each family runs: every bucket of padding rows (no KV written) over
+    the family's fixed metadata. Every bucket, because some strides the launches pass (the shrink output's,
+    from the bucket's rows) are specialized arguments; the queue keeps each shape once."""
+    n = max(sizes)
+    ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]: input ids and positions
+    slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+    tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+    lens = torch.zeros(n, dtype=torch.int32, device=device)
     for modules in families:
         state.metas = graph_metas(modules)
         try:
-            model(ids, ids, attn)
+            for bs in sizes:
+                attn = AttentionMetadata(
+                    slot_mapping=slots[:bs], block_tables=tables[:bs], seq_lens=lens[:bs]
+                )
+                model(ids[:bs], ids[:bs], attn)
         finally:
             state.metas = dict.fromkeys(state.pools)

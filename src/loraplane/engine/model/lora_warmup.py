@@ -136,8 +136,9 @@ def compile_ahead(forwards, threads: int | None = None) -> int:
     """Run ``forwards`` (CUDA work whose LoRA launches are the ones to compile) with those launches only
     listing their shapes, then compile the shapes side by side on ``threads`` threads (default
     ``compile_threads()``), so that the forwards run for real afterwards find every kernel compiled. Returns
-    how many shapes compiled; 0 with one thread. A failure is logged, not raised: the launches then compile
-    on their first use, and one that cannot compile raises its error there."""
+    how many shapes were listed; 0 with one thread (nothing runs ahead). What ``forwards`` raises is raised;
+    a compilation that fails is not: it is logged where the compiling itself breaks, and a shape that did
+    not compile compiles again at its first launch, which raises its error."""
     threads = compile_threads() if threads is None else threads
     if threads <= 1:
         return 0
