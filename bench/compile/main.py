@@ -4,11 +4,12 @@ An engine with adapters compiles one Triton kernel per distinct launch shape bef
 decode launches while its CUDA graphs are captured, the eager (prefill and mixed) launches in the start-up
 warm-up (``engine/model/lora_warmup.py``). On a machine with no Triton cache that is most of the start.
 
-This benchmark lists those launch shapes from the engine's own launch builders (``triton_apply.ApplyPlan``
-over the metadata that ``lora_warmup.warm_plan`` asks for, and the capture policy's decode metadata), for
-one layer of a model shape on the CPU, and compiles each one ahead of time for a GPU target (Triton's
-``compile`` with an explicit target needs no GPU; compiling is CPU work on the GPU machine too). It reports
-each shape's compile time and the total, sequential and over ``--threads`` threads.
+This benchmark lists those launch shapes as the warm-up does (``fast_launch.compile_only``), through the
+engine's pools and entry points over the metadata that ``lora_warmup.warm_plan`` asks for and the capture
+policy's decode metadata, for one layer of a model shape on the CPU; then it compiles each one ahead of time
+for a GPU target (Triton's ``compile`` with an explicit target needs no GPU; compiling is CPU work on the
+GPU machine too). It reports each shape's compile time and the total, sequential and over ``--threads``
+threads.
 
     python bench/run.py compile --out DIR [--target 90] [--threads N] [--only decode|eager] [--limit N]
 
@@ -35,23 +36,15 @@ os.environ.pop("TRITON_INTERPRET", None)  # the kernels must be JIT functions, n
 import torch  # noqa: E402
 from shapes import LLAMA3_8B  # noqa: E402
 
+from loraplane.engine.lora.layers import PROJECTIONS, build_pools  # noqa: E402
 from loraplane.engine.model.lora_warmup import warm_plan  # noqa: E402
-from loraplane.kernels.launch_config import capture_policy, set_capture_policy  # noqa: E402
+from loraplane.engine.model.model_config import ModelConfig  # noqa: E402
+from loraplane.kernels import lora_apply, lora_apply_many  # noqa: E402
+from loraplane.kernels.fast_launch import compile_only  # noqa: E402
 from loraplane.kernels.metadata import LoRABatchMeta  # noqa: E402
-from loraplane.kernels.pool import LoRAPool, ModuleSpec  # noqa: E402
-from loraplane.kernels.triton_apply import ApplyPlan  # noqa: E402
-from loraplane.kernels.triton_ops import expand_args, pick_config, shrink_args  # noqa: E402
 
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
            torch.int64: "i64"}  # fmt: skip
-
-
-def module_specs(cfg: dict) -> dict[str, ModuleSpec]:
-    """The engine's packed projections of a Llama-shaped config."""
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    kv = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    return {"qkv_proj": ModuleSpec(h, (h, kv, kv)), "o_proj": ModuleSpec(h, (h,)),
-            "gate_up_proj": ModuleSpec(h, (inter, inter)), "down_proj": ModuleSpec(inter, (h,))}  # fmt: skip
 
 
 def signature(fn, args: tuple, constexprs: dict) -> tuple[dict, dict, dict]:
@@ -79,47 +72,38 @@ def signature(fn, args: tuple, constexprs: dict) -> tuple[dict, dict, dict]:
     return sig, attrs, ones
 
 
-def plan_launches(plan: ApplyPlan, y, x, a, bt, pool: LoRAPool, meta: LoRABatchMeta):
-    """(FastLaunch, run-time args) of a plan's shrink and expand."""
-    out = []
-    if plan.shrink is not None:
-        out.append((plan.shrink, shrink_args(x, a, plan.v, pool.page_table, pool.ranks, meta)))
-    if plan.expand is not None and plan.one is None:
-        out.append(
-            (plan.expand, expand_args(y, plan.v, bt, pool.page_table, pool.ranks, pool.scales, meta, x, a))
-        )
-    return out
-
-
-def census(specs: dict[str, ModuleSpec], only: str, max_rank: int = 64, seqs: int = 256,
-           tokens: int = 8192) -> dict:  # fmt: skip
-    """{key: (label, fn, constexprs, options, args)} of every distinct launch shape."""
-    budget = LoRAPool.page_bytes_for(specs, 1, 16, torch.bfloat16) * 8  # pages: none is read
-    pool = LoRAPool(specs, 1, budget, page_rank=16, max_rank=max_rank, max_adapters=seqs)
+def census(only: str, max_rank: int = 64, seqs: int = 256, tokens: int = 8192) -> dict:
+    """{Triton's key: (label, fn, constexprs, options, signature, attributes)} of every distinct launch shape:
+    the engine's pools (one layer of the Llama-3-8B shape) and entry points (``lora_apply_many`` for the
+    packed projections, ``lora_apply`` for the others, as ``LoRALinear`` calls them), their launches listed
+    by ``fast_launch.compile_only``."""
+    cfg = ModelConfig.from_dict({**LLAMA3_8B, "num_hidden_layers": 1}, max_model_len=2048)
+    pools = build_pools(cfg, seqs, max_rank, torch.bfloat16, torch.device("cpu"))
     found: dict = {}
 
-    def add(kind: str, meta: LoRABatchMeta, store: bool = False) -> None:
-        for name, spec in specs.items():
-            a, bt = pool.a[(0, name)], pool.bt[(0, name)]
-            x = torch.zeros(meta.capacity, spec.in_dim, dtype=torch.bfloat16)
-            y = torch.zeros(meta.capacity, spec.y_width, dtype=torch.bfloat16)
-            cfg = pick_config(meta, spec.in_dim, spec.out_dims, x.dtype)
-            if store and not (cfg.decode or cfg.one_launch):
-                cfg = type(cfg)(**{**{f: getattr(cfg, f) for f in cfg.__slots__}, "store": True})
-            tables = (pool.page_table, pool.ranks, pool.scales, pool.page_rank, pool.max_rank)
-            plan = ApplyPlan(y, x, a, bt, tables, spec.out_dims, spec.slice_starts, meta, cfg)
-            for launch, args in plan_launches(plan, y, x, a, bt, pool, meta):
+    def add(kind: str, meta: LoRABatchMeta, rows: int, store: bool = False) -> None:
+        for (_, proj), members in PROJECTIONS.items():
+            widths = [pools[m].modules[m].out_dims[0] for m in members]
+            x = torch.zeros(rows, pools[members[0]].modules[members[0]].in_dim, dtype=torch.bfloat16)
+            y = torch.zeros(rows, sum(widths), dtype=torch.bfloat16)
+            with compile_only() as queued:
+                if len(members) > 1:
+                    targets = [(pools[m], m, sum(widths[:i])) for i, m in enumerate(members)]
+                    lora_apply_many(y, x, targets, 0, meta, backend="triton", store=store)
+                else:
+                    lora_apply(y, x, pools[proj], 0, proj, meta, backend="triton", store=store)
+            for launch, args in queued.values():
                 sig, attrs, ones = signature(launch.fn, args, launch.constexprs)
                 constexprs = {**launch.constexprs, **ones}
                 key = (launch.fn, tuple(sorted(constexprs.items())), tuple(sorted(launch.options.items())),
                        tuple(sig.items()), tuple(sorted(attrs)))  # fmt: skip
-                found.setdefault(key, (f"{kind} {name} {launch.fn.__name__}", launch.fn, constexprs,
+                found.setdefault(key, (f"{kind} {proj} {launch.fn.__name__}", launch.fn, constexprs,
                                        launch.options, sig, attrs))  # fmt: skip
 
     if only in ("all", "decode"):
         meta = LoRABatchMeta(seqs, "cpu", tile_m=16, capture=True, max_rank=max_rank)
         meta.build([], [0] * seqs)
-        add("captured", meta)
+        add("captured", meta, seqs)
     if only in ("all", "eager"):
         kinds = {"decode": (seqs, 16), "prefill": (tokens, 64)}
         for kind, rank, reqs in warm_plan(max_rank, kinds, list(range(seqs)), sms=0):
@@ -129,7 +113,7 @@ def census(specs: dict[str, ModuleSpec], only: str, max_rank: int = 64, seqs: in
             capacity, tile_m = kinds[kind]
             meta = LoRABatchMeta(capacity, "cpu", tile_m=tile_m, max_rank=max_rank).build(reqs, ranks)
             for store in (False, True):
-                add(f"eager {kind} r{rank} t{meta.host_num_tiles}", meta, store)
+                add(f"eager {kind} r{rank} t{meta.host_num_tiles}", meta, meta.num_tokens, store)
     return found
 
 
@@ -155,16 +139,11 @@ def run(argv: list[str]) -> dict:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--only", choices=("all", "decode", "eager"), default="all")
     ap.add_argument("--limit", type=int, default=0, help="compile at most this many shapes (0: all)")
-    ap.add_argument("--policy", default="", help="capture policy fields as k=v,k=v (e.g. decode_n=256)")
     args = ap.parse_args(argv)
-    if args.policy:
-        fields = dict(kv.split("=") for kv in args.policy.split(","))
-        set_capture_policy(type(capture_policy())(**{k: int(v) if v.isdigit() else v == "True"
-                                                     for k, v in fields.items()}))  # fmt: skip
     import tempfile
 
     os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="lp-compile-")  # every shape compiles afresh
-    entries = list(census(module_specs(LLAMA3_8B), args.only).values())
+    entries = list(census(args.only).values())
     listed = len(entries)
     if args.limit:
         entries = entries[: args.limit]
@@ -189,7 +168,6 @@ def run(argv: list[str]) -> dict:
             f"threads_{args.threads}_s": round(par, 1),
             "cpus": os.cpu_count(),
             "only": args.only,
-            "policy": args.policy or "default",
         },  # fmt: skip
         "notes": [
             "compile_s: one shape alone, sequentially, with no Triton cache",

@@ -208,6 +208,19 @@ def test_fast_launch_replays_what_triton_passed_and_falls_back_when_specializati
     assert fn.bindings == 7 and len(fn.kernel.calls) == 8
 
 
+def test_fast_launch_tells_a_bool_from_the_int_it_equals(monkeypatch):
+    """True == 1 in Python, but Triton types a bool argument apart from an int: a launch recorded with one
+    must not replay for the other."""
+    fn = _FakeJit()
+    launch = _fast(monkeypatch, fn)
+    x = torch.zeros(16)
+    launch(x, True, x)  # through Triton, recorded
+    launch(x, True, x)  # direct
+    assert fn.bindings == 2 and len(fn.kernel.calls) == 2
+    launch(x, 1, x)  # another specialization: Triton's path
+    assert fn.bindings == 3 and len(fn.kernel.calls) == 3
+
+
 def test_fast_launch_stays_on_tritons_path_when_the_call_does_not_fit(monkeypatch):
     from triton.knobs import HookChain
 

@@ -42,7 +42,7 @@ def launch_counts() -> dict[str, int]:
 
 @contextlib.contextmanager
 def compile_only():
-    """Within (this thread): a GPU launch that is not recorded yet launches nothing; its shape (kernel,
+    """Within (this thread): a launch that is not recorded yet launches nothing; its shape (kernel,
     grid, compile-time values, options, and its arguments with each tensor replaced by a small one of the
     same dtype, device and alignment, all Triton specializes on) goes in the yielded dict, once per shape,
     for ``compile_queued``. The step's own tensors are not kept."""
@@ -71,23 +71,24 @@ def compile_queued(queued: dict, threads: int) -> int:
     through Triton's ``AsyncCompileMode`` where it has one (3.4 and later), else one after another. Compiling
     runs mostly outside the GIL. Returns how many shapes were queued."""
     try:
-        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.runtime import _async_compile
     except ImportError:
-        AsyncCompileMode = None  # noqa: N806
-    if AsyncCompileMode is None or threads <= 1:
+        _async_compile = None
+
+    def compile_all() -> None:
         for launch, args in queued.values():
             launch.fn.warmup(*args, grid=launch.grid, **launch.constexprs, **launch.options)
-        return len(queued)
-    from triton.runtime import _async_compile
 
+    if _async_compile is None or threads <= 1:
+        compile_all()
+        return len(queued)
     # Only warmup calls run under the mode: a launch inside it would meet a kernel still compiling. A shape
     # that fails to compile is left for its first launch, which compiles it again and raises its error;
     # the mode is switched off whatever happens (its exit does not, when a result raises).
     try:
         with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool:
-            with AsyncCompileMode(pool, ignore_errors=True):
-                for launch, args in queued.values():
-                    launch.fn.warmup(*args, grid=launch.grid, **launch.constexprs, **launch.options)
+            with _async_compile.AsyncCompileMode(pool, ignore_errors=True):
+                compile_all()
     finally:
         _async_compile.active_mode.set(None)
     return len(queued)
@@ -122,11 +123,6 @@ def _no_ints(args: tuple) -> tuple:
     return ()
 
 
-def _no_ints_known(args: tuple) -> tuple:
-    """For arguments that are not all tensors and plain ints: the full ``_signature`` every time."""
-    return ()
-
-
 def _signature(args: tuple) -> tuple:
     """What Triton specializes a launch on, for the run-time arguments: tensors by dtype and 16-byte
     alignment of their data pointer; ints by divisibility by 16, equality to 1 and 32-bit range."""
@@ -157,7 +153,7 @@ class FastLaunch:
         self._tried = False  # recording is tried once; if Triton's call does not fit, its path stays
         self._grid3 = (*grid, 1, 1)[:3]
         self._tensors: tuple = ()  # (position, dtype, 16-byte aligned) of each tensor argument, once recorded
-        self._ints_at = _no_ints  # the int arguments, as a tuple ...
+        self._ints_at = _no_ints  # the int arguments, as a tuple (None: not all plain ints) ...
         self._ints: object = None  # ... and their values at the last launch that fitted
         self._arity = -1
 
@@ -186,8 +182,8 @@ class FastLaunch:
                 or (t.data_ptr() % 16 == 0) is not aligned
             ):
                 return False
-        ints = self._ints_at(args)
-        if ints == self._ints and self._ints_at is not _no_ints_known:
+        ints = self._ints_at(args) if self._ints_at is not None else None
+        if ints is not None and ints == self._ints:
             return True
         if _signature(args) != self._sig:
             return False
@@ -202,14 +198,14 @@ class FastLaunch:
         self._arity = len(args)
         self._tensors = tuple((i, args[i].dtype, args[i].data_ptr() % 16 == 0) for i in tensors)
         self._ints_at = operator.itemgetter(*ints) if ints else _no_ints
-        if any(type(args[i]) is not int for i in ints):  # True == 1, yet Triton types them apart
-            self._ints_at = _no_ints_known
-        self._ints = self._ints_at(args)
+        if any(type(args[i]) is not int for i in ints):  # True == 1, yet Triton types them apart: full checks
+            self._ints_at = None
+        self._ints = self._ints_at(args) if self._ints_at is not None else None
 
     def _slow(self, args: tuple) -> None:
         queue = getattr(_LOCAL, "queue", None)
         if queue is not None:
-            if _on_gpu(args) and (key := self._key(args)) not in queue:
+            if (key := self._key(args)) not in queue:
                 queue[key] = (self, tuple(_stand_in(a) if isinstance(a, torch.Tensor) else a for a in args))
             return
         kernel = None

@@ -153,17 +153,41 @@ def lora_apply_many(
     single-slice modules of one in_dim and page geometry take one shrink and one expand launch in all
     (``PoolsPlan``); anything else runs one ``lora_apply`` per target. ``base``: as in ``lora_apply``.
     """
-    pooled = _pooled_plan(y, x, targets, layer, meta, backend, store)
-    if pooled is not None:  # every layer after a step's first: what was checked there holds here too
+    pooled = _use_triton(x, backend) and 1 < len(targets) <= 4
+    key = _pools_key(y, x, targets, store) if pooled else None
+    # A later layer of a step whose first layer built this plan: what was checked there holds here, as the
+    # plan's key holds every argument the checks read, save the layer and its own tensors (checked here).
+    later = (
+        key in meta.plans
+        and all(0 <= layer < pool.num_layers for pool, _, _ in targets)
+        and _poolable(targets, layer)
+    )
+    spans = [] if later else _checked_spans(y, x, targets, layer, meta)
+    if later or (pooled and _poolable(targets, layer)):
         from loraplane.kernels.triton_apply import lora_apply_pools_triton
+        from loraplane.kernels.triton_ops import pick_config
 
-        key, pools, modules, starts = pooled
-        if store:
+        if store:  # (the per-target lora_apply below prepares its own columns)
             _prepare_store(y, targets, x, meta, base)
+        pools, modules, starts = zip(*targets, strict=True)
+        cfg = None
+        if key not in meta.plans:
+            widths = tuple(p.modules[m].out_dims[0] for p, m in zip(pools, modules, strict=True))
+            cfg = pick_config(meta, x.shape[1], widths, x.dtype)
+            if store:
+                cfg = dataclasses.replace(cfg, store=True)
         side = _side(x, meta, base)
         return lora_apply_pools_triton(
-            y, x, pools, modules, starts, layer, meta, None, meta.plans, key, base, side
+            y, x, pools, modules, starts, layer, meta, cfg, meta.plans, key, base, side
         )
+    for k, ((pool, module, c0), (_, c1)) in enumerate(zip(targets, spans, strict=True)):
+        lora_apply(y[:, c0:c1], x, pool, layer, module, meta, backend=backend, base=None if k else base,
+                   store=store)  # fmt: skip
+    return y
+
+
+def _checked_spans(y, x, targets, layer: int, meta: LoRABatchMeta) -> list[tuple[int, int]]:
+    """Each target's [first, end) columns of y, once every argument is checked (else ValueError)."""
     spans = []
     for pool, module, c0 in targets:
         spec = _checked(x, pool, layer, module, meta)[0]
@@ -176,52 +200,14 @@ def lora_apply_many(
     for (_, e0), (b1, _) in zip(ordered, ordered[1:], strict=False):
         if b1 < e0:
             raise ValueError(f"targets' columns overlap: {ordered}")
-    if _use_triton(x, backend) and 1 < len(targets) <= 4 and _poolable(targets, layer):
-        from loraplane.kernels.triton_apply import lora_apply_pools_triton
-        from loraplane.kernels.triton_ops import pick_config
-
-        if store:  # (the per-target lora_apply below prepares its own columns)
-            _prepare_store(y, targets, x, meta, base)
-
-        pools = tuple(t[0] for t in targets)
-        modules = tuple(t[1] for t in targets)
-        starts = tuple(t[2] for t in targets)
-        key = _pools_key(y, x, pools, modules, starts, store)
-        widths = tuple(p.modules[m].out_dims[0] for p, m in zip(pools, modules, strict=True))
-        cfg = pick_config(meta, x.shape[1], widths, x.dtype) if key not in meta.plans else None
-        if cfg is not None and store:
-            cfg = dataclasses.replace(cfg, store=True)
-        side = _side(x, meta, base)
-        return lora_apply_pools_triton(
-            y, x, pools, modules, starts, layer, meta, cfg, meta.plans, key, base, side
-        )
-    for k, ((pool, module, c0), (_, c1)) in enumerate(zip(targets, spans, strict=True)):
-        lora_apply(y[:, c0:c1], x, pool, layer, module, meta, backend=backend, base=None if k else base,
-                   store=store)  # fmt: skip
-    return y
+    return spans
 
 
-def _pools_key(y, x, pools, modules, starts, store: bool) -> tuple:
-    """A step's ``PoolsPlan`` key: everything ``lora_apply_many`` checks, save the layer."""
+def _pools_key(y, x, targets, store: bool) -> tuple:
+    """A step's ``PoolsPlan`` key: every argument ``lora_apply_many`` checks, save the layer."""
+    pools, modules, starts = zip(*targets, strict=True)
     return ("pools", tuple(map(id, pools)), modules, starts, x.shape, x.stride(), x.dtype, x.device, y.shape,
             y.stride(), y.dtype, store)  # fmt: skip
-
-
-def _pooled_plan(y, x, targets, layer: int, meta: LoRABatchMeta, backend: str, store: bool):
-    """(key, pools, modules, starts) when this step already holds the ``PoolsPlan`` of this call, so only
-    the layer is left to check (a layer's own tensors are checked by ``_poolable``), else None. A step's
-    plans are dropped at the next build, so a hit is the same batch and the same arguments but the layer."""
-    if not meta.plans or not _use_triton(x, backend) or not 1 < len(targets) <= 4:
-        return None
-    pools = tuple(t[0] for t in targets)
-    modules = tuple(t[1] for t in targets)
-    starts = tuple(t[2] for t in targets)
-    key = _pools_key(y, x, pools, modules, starts, store)
-    if key not in meta.plans or not all(0 <= layer < p.num_layers for p in pools):
-        return None
-    if not _poolable(targets, layer):  # the layer's own tensors (a caller may lay layers out apart)
-        return None
-    return key, pools, modules, starts
 
 
 def covers_every_row(meta: LoRABatchMeta, pool: LoRAPool, rows: int) -> bool:

@@ -25,21 +25,36 @@ from loraplane.engine.model.lora_warmup import compile_ahead
 from loraplane.engine.model.model import CausalLM
 
 
-class DecodeGraphs:
-    def __init__(self, model: CausalLM, batch_sizes: tuple[int, ...], max_blocks_per_seq: int,
-                 device: torch.device, pool=None) -> None:  # fmt: skip
-        """``pool``: a graph memory pool shared with another family (families never replay at once, so
-        their temporaries may overlap); None: a pool of its own."""
-        self.model = model
-        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
-        self.batch_sizes = tuple(sorted(batch_sizes))
-        n = self.batch_sizes[-1]
-        # static inputs, [max bucket] each; block tables [max bucket, max blocks per sequence]
+class DecodeInputs:
+    """Static decode inputs of up to ``n`` rows, padding until written (slot -1: no KV write; context 0)."""
+
+    def __init__(self, n: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        # [n] each; block tables [n, max blocks per sequence]
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
+
+    def forward(self, model: CausalLM, bs: int) -> torch.Tensor:
+        """``model`` over the first ``bs`` rows: fp32 logits [bs, V]."""
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bs],
+            block_tables=self.block_tables[:bs],
+            seq_lens=self.seq_lens[:bs],
+        )
+        return model(self.input_ids[:bs], self.positions[:bs], meta)
+
+
+class DecodeGraphs(DecodeInputs):
+    def __init__(self, model: CausalLM, batch_sizes: tuple[int, ...], max_blocks_per_seq: int,
+                 device: torch.device, pool=None) -> None:  # fmt: skip
+        """``pool``: a graph memory pool shared with another family (families never replay at once, so
+        their temporaries may overlap); None: a pool of its own."""
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        super().__init__(self.batch_sizes[-1], max_blocks_per_seq, device)  # the inputs, max bucket rows
+        self.model = model
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # [bucket, V] fp32 static outputs
         self.replays = 0  # steps served (which family served how many steps: benchmarks, tests)
@@ -49,15 +64,8 @@ class DecodeGraphs:
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            block_tables=self.block_tables[:bs],
-            seq_lens=self.seq_lens[:bs],
-        )
-
     def _run_model(self, bs: int) -> torch.Tensor:
-        return self.model(self.input_ids[:bs], self.positions[:bs], self._meta(bs))
+        return self.forward(self.model, bs)
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -147,18 +155,11 @@ def _decode_forwards(model: CausalLM, sizes: tuple[int, ...], max_blocks_per_seq
     """The decode forwards a capture of each family runs: every bucket of padding rows (no KV written) over
     the family's fixed metadata. Every bucket, because some strides the launches pass (the shrink output's,
     from the bucket's rows) are specialized arguments; the queue keeps each shape once."""
-    n = max(sizes)
-    ids = torch.zeros(n, dtype=torch.int64, device=device)  # [n]: input ids and positions
-    slots = torch.full((n,), -1, dtype=torch.int64, device=device)
-    tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-    lens = torch.zeros(n, dtype=torch.int32, device=device)
+    inputs = DecodeInputs(max(sizes), max_blocks_per_seq, device)
     for modules in families:
         state.metas = graph_metas(modules)
         try:
             for bs in sizes:
-                attn = AttentionMetadata(
-                    slot_mapping=slots[:bs], block_tables=tables[:bs], seq_lens=lens[:bs]
-                )
-                model(ids[:bs], ids[:bs], attn)
+                inputs.forward(model, bs)
         finally:
             state.metas = dict.fromkeys(state.pools)

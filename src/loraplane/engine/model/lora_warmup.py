@@ -11,9 +11,9 @@ with the LoRA metadata of requests on free pool slots: the metadata builder sees
 device's rank table says 0 for a free slot, so the kernels compile and launch but read and write nothing.
 Each runs twice: GEMM first, then delta first (the storing expand of steps whose every row has an adapter).
 
-A Llama-3-8B engine compiles about 150 such kernels, a fifth of a second to two seconds each. Compiling is CPU work
-that mostly runs outside the GIL, so the forwards first run once with the LoRA launches only listing their
-shapes (``fast_launch.compile_only``), those compile side by side on a pool of threads
+A Llama-3-8B engine compiles about 150 such kernels, a fifth of a second to a second each. Compiling is
+CPU work that mostly runs outside the GIL, so the forwards first run once with the LoRA launches only
+listing their shapes (``fast_launch.compile_only``), those compile side by side on a pool of threads
 (``compile_queued``), and then the forwards run for real, finding every kernel compiled.
 """
 
@@ -153,11 +153,11 @@ def compile_ahead(forwards, threads: int | None = None) -> int:
 
 
 @torch.inference_mode()
-def warm_lora_kernels(runner, kinds: tuple[str, ...], threads: int | None = None) -> int:
+def warm_lora_kernels(runner, kinds: tuple[str, ...]) -> int:
     """Run the warm-up forwards of ``kinds`` (the runner's adapter tiers' metadata builders); returns how many
     forwards ran. Steps hold at most ``max_num_seqs`` groups and the profiled step size (profile_forward's) in tokens;
-    only slots free in every pool are used, so nothing an adapter holds is touched. ``threads``: compile the
-    kernels on that many threads first (default ``compile_threads()``; 1: each on its first launch)."""
+    only slots free in every pool are used, so nothing an adapter holds is touched. On CUDA their kernels
+    compile side by side first (``compile_ahead``)."""
     cfg, tiers, state, device = runner.config, runner.lora, runner.lora_state, runner.device
     tokens = min(cfg.max_num_batched_tokens, cfg.max_num_seqs * runner.max_model_len)
     free = [s for s in range(tiers.gpu.num_slots) if tiers.gpu.ranks[s] == 0][: cfg.max_num_seqs]
@@ -172,7 +172,7 @@ def warm_lora_kernels(runner, kinds: tuple[str, ...], threads: int | None = None
 
     try:
         if device.type == "cuda":  # every launch shape first, compiled side by side
-            compile_ahead(forwards, threads)
+            compile_ahead(forwards)
         forwards()
     finally:
         state.metas = dict.fromkeys(state.pools)
