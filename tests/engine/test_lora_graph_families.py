@@ -166,3 +166,18 @@ def test_gpu_pdl_graphs_equal_eager(setup):
         set_capture_policy(**dataclasses.asdict(old))
         set_model_pdl(old_model)
     assert out == run_phases(make_engine(base, folders, device="cuda", enforce_eager=True, **cfg), phases)
+
+
+@pytest.mark.gpu
+def test_gpu_expand_beside_graphs_equal_eager(setup):
+    """Captured decode with each projection's whole LoRA pair beside its base GEMM, the delta added after
+    the join (``CapturePolicy(expand_beside=1)``): the eager engine's greedy tokens (float32)."""
+    base, folders = setup
+    phases = switching_phases()
+    cfg = dict(block_size=16, max_num_seqs=8, dtype="float32")
+    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), "expand_beside": 1})
+    try:
+        out = run_phases(make_engine(base, folders, device="cuda", **cfg), phases)
+    finally:
+        set_capture_policy(**dataclasses.asdict(old))
+    assert out == run_phases(make_engine(base, folders, device="cuda", enforce_eager=True, **cfg), phases)

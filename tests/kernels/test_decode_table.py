@@ -96,3 +96,9 @@ def test_fused_policy_turns_on_one_launch_for_captured_launches_only(policy):
 def test_switches_must_be_bools(field):
     with pytest.raises(ValueError, match=f"CapturePolicy.{field}"):
         CapturePolicy(**{field: 1})
+
+
+@pytest.mark.parametrize("bad", [-1, True, 1.5, "1"])
+def test_expand_beside_is_a_size(bad):
+    with pytest.raises(ValueError, match="CapturePolicy.expand_beside"):
+        CapturePolicy(expand_beside=bad)

@@ -32,12 +32,32 @@ class Gemm:
         torch.mm(self.x, self.w.t(), out=self.y)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
+NAMES = pytest.mark.parametrize(
     "names", [("q", "k", "v"), ("q",), ("k", "q")], ids=["pooled", "single", "two_applies"]
 )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@NAMES
 @pytest.mark.parametrize("kind", list(REQUESTS))
 def test_base_runs_once_before_the_expand(device, names, kind):
+    _check_base_once(device, names, kind)
+
+
+@pytest.mark.gpu
+@NAMES
+def test_expand_beside_adds_the_delta_after_the_base(names):
+    """``expand_beside``: the expand into a zeroed delta on the side stream, added to the GEMM's output
+    after the join; rows without an adapter keep the GEMM's values, a view's columns only are touched."""
+    old = capture_policy()
+    try:
+        set_capture_policy(**{**dataclasses.asdict(old), "expand_beside": 1})
+        _check_base_once("cuda", names, "captured")
+    finally:
+        set_capture_policy(**dataclasses.asdict(old))
+
+
+def _check_base_once(device, names, kind) -> None:
     pools, ranks = _pools(device)
     reqs, tile_m, capture = REQUESTS[kind]
     tokens = sum(n for _, n in reqs)
@@ -99,7 +119,8 @@ def _graph_layers(pools, meta, targets, xs, ws, ys) -> torch.cuda.CUDAGraph:
 @pytest.mark.parametrize("names", [("q", "k", "v"), ("gate", "up")])
 def test_captured_overlap_equals_one_stream_bit_for_bit(names):
     """The same three layers captured with the shrink beside the GEMM and without: identical outputs on
-    every replay (the same kernels on the same inputs; only their streams differ), and the eager reference."""
+    every replay (the same kernels on the same inputs; only their streams differ), and the eager reference.
+    With the expand beside as well (the delta rounded before it is added): the reference's band."""
     device = "cuda"
     pools, ranks = _pools(device, dtype=torch.bfloat16)
     targets, width = _targets(pools, names)
@@ -107,8 +128,9 @@ def test_captured_overlap_equals_one_stream_bit_for_bit(names):
     outputs = {}
     old = capture_policy()
     try:
-        for overlap in (False, True):
-            set_capture_policy(**{**dataclasses.asdict(old), "overlap": overlap})
+        for overlap in (False, True, "expand_beside"):
+            fields = {"overlap": bool(overlap), "expand_beside": int(overlap == "expand_beside")}
+            set_capture_policy(**{**dataclasses.asdict(old), **fields})
             meta = LoRABatchMeta(16, device, capture=True, max_rank=16).build(reqs, ranks)
             g = torch.Generator(device=device).manual_seed(5)
             xs = [torch.randn(16, IN, device=device, generator=g, dtype=torch.bfloat16) for _ in range(3)]

@@ -88,7 +88,10 @@ class CapturePolicy:
     ``fused``: one launch per projection (``triton_fused``: split-K shrink, then expand by the same
     programs once their tile's shrink is complete) instead of a shrink and an expand launch.
     ``overlap``: where the caller passes its base GEMM (``lora_apply(..., base=)``), the shrink runs on a
-    side stream beside it (``overlap.py``) instead of after it.
+    side stream beside it (``overlap.py``) instead of after it. ``expand_beside``: where x's width times y's
+    (the base weight's elements) is at least this, the expand follows the shrink there, into a zeroed delta
+    buffer added to the GEMM's output after the join (``overlap.lora_beside``); 0: never, 1: always. It
+    pays where the GEMM is longer than the LoRA pair (gate_up, down) and costs an add where it is not.
     ``decode`` (on by default): the decode-shaped kernels (``triton_decode``), with ``decode_k`` input
     columns per shrink program and ``decode_n`` output columns per expand program (powers of two, >= 16;
     no wider than the widest slice), ``decode_warps`` warps a program; off, ``table`` and the fields above
@@ -105,6 +108,7 @@ class CapturePolicy:
     table: bool = True
     fused: bool = False
     overlap: bool = True
+    expand_beside: int = 0
     decode: bool = True
     decode_k: int = 512
     # 1024 columns at 4 warps: each thread holds a whole rank column of its 8 outputs, so the expand sums
@@ -127,6 +131,8 @@ class CapturePolicy:
         for name in ("table", "fused", "overlap", "decode", "decode_dot", "pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"CapturePolicy.{name} must be a bool, got {getattr(self, name)!r}")
+        if type(self.expand_beside) is not int or self.expand_beside < 0:
+            raise ValueError(f"CapturePolicy.expand_beside must be an int >= 0, got {self.expand_beside!r}")
         for name in ("tile_programs", "n_chunk", "k_per_program"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0 or (name != "tile_programs" and v and v & (v - 1)):

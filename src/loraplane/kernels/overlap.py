@@ -9,6 +9,12 @@ join are graph edges: no host work at replay.
 The shrink writes only its own buffer (the metadata's ``v``), which the previous layer's expand reads on the
 current stream; the fork comes after that expand in stream order, so the side stream never overwrites a
 ``v`` still being read. x stays alive (the caller holds it) until after the join.
+
+``lora_beside`` goes one step further (``CapturePolicy.expand_beside``): the expand too runs on the side
+stream, adding the delta into a zeroed buffer of y's shape instead of into y, and after the join one add
+puts the delta on the GEMM's output. The whole LoRA chain then runs beside the GEMM; what stays on the
+step's critical path is one elementwise add of y's bytes, where the expand kept a launch chain reading
+the adapters' B. The delta is rounded to y's dtype before it is added (delta first does the same).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["beside_stream", "shrink_beside"]
+__all__ = ["beside_stream", "lora_beside", "shrink_beside"]
 
 _SIDE: dict[int, torch.cuda.Stream] = {}
 
@@ -51,3 +57,24 @@ def shrink_beside(shrink: Callable[[], None] | None, base: Callable[[], None] | 
         shrink()
     base()
     main.wait_stream(side)  # v complete before the expand reads it
+
+
+def lora_beside(shrink: Callable[[], None] | None, expand: Callable[[torch.Tensor], None],
+                base: Callable[[], None], side: torch.cuda.Stream, y: torch.Tensor) -> None:  # fmt: skip
+    """y = base's output + the delta: on ``side``, zero a buffer d of y's shape, ``shrink()``, then
+    ``expand(d)`` (the expand adding into d instead of y); meanwhile ``base()`` writes y on the current
+    stream; after the join, ``y += d``.
+
+    y: [T, w] (any row stride); d: [T, w] with y's strides (the expand's launch was shaped for y's), made on
+    the current stream, which alone uses it after the join, so the allocator may hand it out again there."""
+    main = torch.cuda.current_stream(side.device)
+    d = y.new_empty_strided(y.shape, y.stride())  # [T, w]
+    side.wait_stream(main)  # x written, the previous layer done with v and with its own d
+    with torch.cuda.stream(side):
+        d.zero_()  # rows without an adapter get no work from the expand: their delta is 0
+        if shrink is not None:
+            shrink()
+        expand(d)
+    base()
+    main.wait_stream(side)  # the delta complete before it is added
+    y.add_(d)

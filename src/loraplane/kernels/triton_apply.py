@@ -14,9 +14,9 @@ import dataclasses
 import torch
 from triton.runtime.errors import OutOfResources
 
-from loraplane.kernels.launch_config import LaunchConfig
+from loraplane.kernels.launch_config import LaunchConfig, capture_policy
 from loraplane.kernels.metadata import LoRABatchMeta
-from loraplane.kernels.overlap import shrink_beside
+from loraplane.kernels.overlap import lora_beside, shrink_beside
 from loraplane.kernels.triton_decode import decode_expand_launch, decode_shrink_launch
 from loraplane.kernels.triton_fused import fused_args, fused_launch
 from loraplane.kernels.triton_ops import expand_args, expand_launch, shrink_args, shrink_launch
@@ -76,8 +76,8 @@ class ApplyPlan:
         shrink = None
         if self.shrink is not None:
             shrink = lambda: self.shrink(*shrink_args(x, a, self.v, page_table, ranks, meta))  # noqa: E731
-        shrink_beside(shrink, base, side)
-        self.expand(*expand_args(y, self.v, bt, pt_b, ranks, scales, meta, x, a))
+        expand = lambda out: self.expand(*expand_args(out, self.v, bt, pt_b, ranks, scales, meta, x, a))  # noqa: E731
+        _run_pair(shrink, expand, base, side, y, x)
         return y
 
 
@@ -208,18 +208,30 @@ class PoolsPlan:
                 launch(*fused_args(x, a0, self.v, y, bt0, p0.page_table, _expand_table(p0), p0.ranks, p0.scales,
                                    meta, offsets))  # fmt: skip
             return y
-        shrink_beside(
-            lambda: self.shrink(
-                *shrink_args(x, a0, self.v, p0.page_table, p0.ranks, meta, (*ao, *pto, *rko))
+        offsets = (*bo, *bs, *pto_b, *rko, *sco)
+        _run_pair(
+            lambda: self.shrink(*shrink_args(x, a0, self.v, p0.page_table, p0.ranks, meta, (*ao, *pto, *rko))),
+            lambda out: self.expand(
+                *expand_args(out, self.v, bt0, _expand_table(p0), p0.ranks, p0.scales, meta, offsets=offsets)
             ),
             base,
             side,
-        )
-        offsets = (*bo, *bs, *pto_b, *rko, *sco)
-        self.expand(
-            *expand_args(y, self.v, bt0, _expand_table(p0), p0.ranks, p0.scales, meta, offsets=offsets)
+            y,
+            x,
         )
         return y
+
+
+def _run_pair(shrink, expand, base, side, y, x) -> None:
+    """Shrink, base and expand (into ``y``) in the order the capture policy asks: the shrink beside the
+    GEMM, or, for a GEMM of at least ``expand_beside`` weight elements (x's width times y's), the whole
+    pair beside it into a delta added after the join."""
+    beside = capture_policy().expand_beside
+    if side is not None and base is not None and beside and x.shape[1] * y.shape[1] >= beside:
+        lora_beside(shrink, expand, base, side, y)
+        return
+    shrink_beside(shrink, base, side)
+    expand(y)
 
 
 def _expand_table(pool) -> torch.Tensor:
