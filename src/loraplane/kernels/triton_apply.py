@@ -210,7 +210,9 @@ class PoolsPlan:
             return y
         offsets = (*bo, *bs, *pto_b, *rko, *sco)
         _run_pair(
-            lambda: self.shrink(*shrink_args(x, a0, self.v, p0.page_table, p0.ranks, meta, (*ao, *pto, *rko))),
+            lambda: self.shrink(
+                *shrink_args(x, a0, self.v, p0.page_table, p0.ranks, meta, (*ao, *pto, *rko))
+            ),
             lambda out: self.expand(
                 *expand_args(out, self.v, bt0, _expand_table(p0), p0.ranks, p0.scales, meta, offsets=offsets)
             ),
