@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -44,6 +45,7 @@ from loraplane.engine.lora.weights import module_shapes
 from loraplane.engine.model.model_config import ModelConfig
 from loraplane.engine.model.runner import ModelRunner
 from loraplane.engine.model.weights import random_model
+from loraplane.kernels.launch_config import capture_policy, set_capture_policy
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # bench/: shapes, synth
@@ -311,6 +313,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--dir", default=None, help="where adapter files are written (a real disk)")
     parser.add_argument("--from-log", default=None, help="rebuild the report from a bench log's rows only")
     parser.add_argument(
+        "--capture-policy", type=json.loads, default=None,
+        help='CapturePolicy fields for the LoRA engine\'s decode graphs, as JSON (e.g. \'{"expand_beside": 1}\')',
+    )  # fmt: skip
+    parser.add_argument(
         "--peft-requests", type=int, default=8,
         help="the transformers + PEFT anchor serves this many of the trace's first requests (0: none)",
     )  # fmt: skip
@@ -320,9 +326,12 @@ def run(argv: list[str]) -> dict:
     if args.quick:
         torch.set_num_threads(1)
         args.requests, args.rate, args.samples = min(args.requests, 16), 40.0, 1
+    if args.capture_policy is not None:
+        set_capture_policy(**args.capture_policy)
     torch.manual_seed(0)
     b = Bench(args)
     floors = measure_floors(b)
+    floors["capture_policy"] = dataclasses.asdict(capture_policy())  # the LoRA decode graphs' launches
     if not floors["page_cache_dropped"]:
         b.reader = read_file_direct  # the disk is really read: past the page cache
     print(json.dumps(floors), flush=True)

@@ -87,6 +87,7 @@ def report(rows: list[dict], floors: dict, b) -> dict:
             "host-to-device GB/s (pinned)": round(floors["pcie_gbs"], 2),
             "page cache dropped between cold reads": floors["page_cache_dropped"],
             "adapter files": str(b.tmp),
+            "capture policy (LoRA decode graphs)": floors.get("capture_policy"),
         },
         "notes": [
             "Every request goes through AsyncEngine (the serving loop of `loraplane serve`), driven by an asyncio "
