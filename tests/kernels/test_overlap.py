@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from loraplane.kernels import LoRABatchMeta, lora_apply, lora_apply_many
+from loraplane.kernels import LoRABatchMeta, lora_apply, lora_apply_many, overlap, triton_apply
 from loraplane.kernels.launch_config import capture_policy, set_capture_policy
 from tests.kernels.test_many import DEVICES, IN, TERMS, WIDTHS, _pools, _reference, _targets
 from tests.numerics import assert_close_sums
@@ -46,13 +46,26 @@ def test_base_runs_once_before_the_expand(device, names, kind):
 
 @pytest.mark.gpu
 @NAMES
-def test_expand_beside_adds_the_delta_after_the_base(names):
+@pytest.mark.parametrize("pdl", [False, True])
+def test_expand_beside_adds_the_delta_after_the_base(names, pdl, monkeypatch):
     """``expand_beside``: the expand into a zeroed delta on the side stream, added to the GEMM's output
-    after the join; rows without an adapter keep the GEMM's values, a view's columns only are touched."""
+    after the join; rows without an adapter keep the GEMM's values, a view's columns only are touched.
+    The pair goes beside exactly when x's width times the launch's columns reaches the threshold."""
+    calls = []
+
+    def counted(*args):
+        calls.append(args[-1].shape)
+        return overlap.lora_beside(*args)
+
+    monkeypatch.setattr(triton_apply, "lora_beside", counted)
     old = capture_policy()
+    widest = IN * (sum(WIDTHS[n] for n in names) + 8 * len(names))  # no launch covers more (gaps included)
     try:
-        set_capture_policy(**{**dataclasses.asdict(old), "expand_beside": 1})
-        _check_base_once("cuda", names, "captured")
+        for threshold in (1, widest + 1):
+            calls.clear()
+            set_capture_policy(**{**dataclasses.asdict(old), "expand_beside": threshold, "pdl": pdl})
+            _check_base_once("cuda", names, "captured")
+            assert bool(calls) == (threshold == 1)  # above every launch's size: the shrink-beside form
     finally:
         set_capture_policy(**dataclasses.asdict(old))
 

@@ -88,10 +88,12 @@ class CapturePolicy:
     ``fused``: one launch per projection (``triton_fused``: split-K shrink, then expand by the same
     programs once their tile's shrink is complete) instead of a shrink and an expand launch.
     ``overlap``: where the caller passes its base GEMM (``lora_apply(..., base=)``), the shrink runs on a
-    side stream beside it (``overlap.py``) instead of after it. ``expand_beside``: where x's width times y's
-    (the base weight's elements) is at least this, the expand follows the shrink there, into a zeroed delta
-    buffer added to the GEMM's output after the join (``overlap.lora_beside``); 0: never, 1: always. It
-    pays where the GEMM is longer than the LoRA pair (gate_up, down) and costs an add where it is not.
+    side stream beside it (``overlap.py``) instead of after it. ``expand_beside`` (with ``overlap``): where
+    x's width times the launch's output columns (the base weight's elements when the launch covers the
+    whole projection, as the engine's pooled q,k,v and gate,up launches and o and down do) is at least
+    this, the expand follows the shrink there, into a zeroed delta buffer added to the GEMM's output after
+    the join (``overlap.lora_beside``); 0: never, 1: always. It pays where the GEMM is longer than the LoRA
+    pair (gate_up, down) and costs an add where it is not.
     ``decode`` (on by default): the decode-shaped kernels (``triton_decode``), with ``decode_k`` input
     columns per shrink program and ``decode_n`` output columns per expand program (powers of two, >= 16;
     no wider than the widest slice), ``decode_warps`` warps a program; off, ``table`` and the fields above
