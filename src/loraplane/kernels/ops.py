@@ -86,10 +86,10 @@ def lora_apply(
     """Semantics: for every token t with adapter a = token_slot[t] >= 0 and every slice s,
     y[t, c_s:c_s + w_s] += scale_a * (x[t] @ A_{a,s}^T) @ B_{a,s}^T with c_s = slice_starts[s] and
     w_s = out_dims[s]; other rows and columns unchanged (bit for bit; under ``CapturePolicy.expand_beside``
-    a -0.0 there may become +0.0). ``store``: the slices' columns of y become the delta alone (0 in rows without an adapter with this module), for a caller that adds its
-    base GEMM on top afterwards (``y.addmm_(x, W^T)``); when every row has one (``covers_every_row``) y is
-    never read, else those columns are zeroed first; eager launches only (no ``base``, no captured
-    metadata).
+    a -0.0 there may become +0.0). ``store``: the slices' columns of y become the delta alone (0 in rows
+    without an adapter with this module), for a caller that adds its base GEMM on top afterwards
+    (``y.addmm_(x, W^T)``); when every row has one (``covers_every_row``) y is never read, else those
+    columns are zeroed first; eager launches only (no ``base``, no captured metadata).
 
     y: [T, spec.y_width] (the base projection's output, any float dtype of the pool), x: [T, in_dim],
     meta.num_tokens <= T <= meta.capacity (rows past num_tokens: no adapter). In place; returns y. ``config`` (a LaunchConfig)
