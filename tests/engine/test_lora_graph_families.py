@@ -24,7 +24,7 @@ from loraplane.engine.lora.weights import TARGET_MODULES  # noqa: E402
 from loraplane.engine.model.attention import AttentionMetadata, PrefillSpan  # noqa: E402
 from loraplane.engine.model.cuda_graphs import lora_module_family  # noqa: E402
 from loraplane.engine.model.fused_ops import set_model_pdl  # noqa: E402
-from loraplane.kernels import LoRABatchMeta  # noqa: E402
+from loraplane.kernels import LoRABatchMeta, overlap, triton_apply  # noqa: E402
 from loraplane.kernels.launch_config import capture_policy, set_capture_policy  # noqa: E402
 from tests.engine.peft_adapters import ADAPTER_SPECS, save_peft_adapter  # noqa: E402
 
@@ -155,27 +155,35 @@ def test_gpu_pdl_graphs_equal_eager(setup):
     """Captured decode with programmatic dependent launch, for the LoRA kernels (``CapturePolicy(pdl=True)``)
     beside the base GEMMs and the shrink's side stream, and for the decoder's own kernels
     (``set_model_pdl``): the eager engine's greedy tokens."""
-    base, folders = setup
-    phases = switching_phases()
-    cfg = dict(block_size=16, max_num_seqs=8, dtype="float32")
-    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), "pdl": True})
     old_model = set_model_pdl(True)
     try:
-        out = run_phases(make_engine(base, folders, device="cuda", **cfg), phases)
+        _graphs_equal_eager(setup, pdl=True)
     finally:
-        set_capture_policy(**dataclasses.asdict(old))
         set_model_pdl(old_model)
-    assert out == run_phases(make_engine(base, folders, device="cuda", enforce_eager=True, **cfg), phases)
 
 
 @pytest.mark.gpu
-def test_gpu_expand_beside_graphs_equal_eager(setup):
+def test_gpu_expand_beside_graphs_equal_eager(setup, monkeypatch):
     """Captured decode with each projection's whole LoRA pair beside its base GEMM, the delta added after
     the join (``CapturePolicy(expand_beside=1)``): the eager engine's greedy tokens (float32)."""
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return overlap.lora_beside(*args)
+
+    monkeypatch.setattr(triton_apply, "lora_beside", counted)
+    _graphs_equal_eager(setup, expand_beside=1)
+    assert calls  # the captures went through it
+
+
+def _graphs_equal_eager(setup, **policy) -> None:
+    """The switching phases' greedy tokens from CUDA graphs captured under ``policy`` (CapturePolicy
+    fields) equal the eager engine's."""
     base, folders = setup
     phases = switching_phases()
     cfg = dict(block_size=16, max_num_seqs=8, dtype="float32")
-    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), "expand_beside": 1})
+    old = set_capture_policy(**{**dataclasses.asdict(capture_policy()), **policy})
     try:
         out = run_phases(make_engine(base, folders, device="cuda", **cfg), phases)
     finally:

@@ -54,7 +54,7 @@ def test_expand_beside_adds_the_delta_after_the_base(names, pdl, monkeypatch):
     calls = []
 
     def counted(*args):
-        calls.append(args[-1].shape)
+        calls.append(1)
         return overlap.lora_beside(*args)
 
     monkeypatch.setattr(triton_apply, "lora_beside", counted)

@@ -226,12 +226,14 @@ class PoolsPlan:
 
 def _run_pair(shrink, expand, base, side, y, x) -> None:
     """Shrink, base and expand (into ``y``) in the order the capture policy asks: the shrink beside the
-    GEMM, or, for a GEMM of at least ``expand_beside`` weight elements (x's width times y's), the whole
-    pair beside it into a delta added after the join."""
-    beside = capture_policy().expand_beside
-    if side is not None and base is not None and beside and x.shape[1] * y.shape[1] >= beside:
-        lora_beside(shrink, expand, base, side, y)
-        return
+    GEMM, or, where x's width times y's is at least ``expand_beside`` (the projection's weight elements
+    for the engine's launches), the whole pair beside it into a delta added after the join. Eager launches
+    (no ``side``) read no policy."""
+    if side is not None and base is not None:
+        beside = capture_policy().expand_beside
+        if beside and x.shape[1] * y.shape[1] >= beside:
+            lora_beside(shrink, expand, base, side, y)
+            return
     shrink_beside(shrink, base, side)
     expand(y)
 
